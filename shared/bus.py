@@ -1,0 +1,693 @@
+"""Bus helpers: connecting, provisioning streams, fenced appends, reads, dead letters and leases.
+
+Everything here is written against the measured behaviour of nats-py 2.16 / nats-server 2.15 (see
+DESIGN.md): fenced appends use one synchronous request each, a ``10071`` is disambiguated by the
+subject's last ``Nats-Msg-Id`` before it counts as a lost race, and ``10163``/``10164``/timeouts
+during an R3 leader election are retried a bounded number of times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.kv import KeyValue
+
+from shared.subjects import DEFAULT_PARTITIONS, Subjects
+
+log = logging.getLogger(__name__)
+
+# --- headers and error codes -------------------------------------------------------------------
+
+H_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+H_MSG_ID = "Nats-Msg-Id"
+H_REASON = "Vmfence-Reason"
+H_ORIGINAL_SUBJECT = "Vmfence-Original-Subject"
+META_PARTITIONS = "vmfence.partitions"
+
+ERR_WRONG_LAST_SEQUENCE = 10071  # Nats-Expected-Last-Subject-Sequence did not match
+ERR_IN_FLIGHT_PROPOSAL = (10163, 10164)  # R3: another proposal on the same subject is in flight
+ERR_STREAM_NAME_IN_USE = 10058  # add_stream with a different config for an existing name
+RETRIABLE_HTTP_CODES = (503,)  # JetStream temporarily unavailable (no leader yet)
+
+# --- bounds --------------------------------------------------------------------------------------
+
+CONNECT_TIMEOUT_S = 5.0
+RECONNECT_WAIT_S = 1.0
+PING_INTERVAL_S = 5  # a dead server is noticed after PING_INTERVAL_S * MAX_OUTSTANDING_PINGS
+MAX_OUTSTANDING_PINGS = 3
+APPEND_TIMEOUT_S = 5.0
+APPEND_MAX_ATTEMPTS = 12  # requests per fenced append before AppendFailed
+PUBLISH_MAX_ATTEMPTS = 8  # requests per publish_input / dead_letter
+BACKOFF_BASE_S = 0.02
+BACKOFF_MAX_S = 1.0
+READ_TIMEOUT_S = 5.0  # one get / one pull batch
+READ_BATCH = 2048  # messages per pull request in read_stream
+READ_CONSUMER_IDLE_S = 30.0  # the server deletes an abandoned read consumer after this
+LEASE_ACQUIRE_ATTEMPTS = 4  # create/get/update races inside one acquire()
+
+DAY_S = 86_400.0
+
+
+def backoff_delay(attempt: int) -> float:
+    """Exponential backoff with full jitter, capped at BACKOFF_MAX_S (attempt counts from 0)."""
+    return float(random.uniform(0, min(BACKOFF_MAX_S, BACKOFF_BASE_S * (2**attempt))))
+
+
+# --- connecting ----------------------------------------------------------------------------------
+
+
+async def _on_error(exc: Exception) -> None:
+    log.warning("nats error: %r", exc)
+
+
+async def _on_disconnected() -> None:
+    log.warning("nats disconnected")
+
+
+async def _on_reconnected() -> None:
+    log.info("nats reconnected")
+
+
+async def connect(
+    url: str | list[str],
+    *,
+    name: str,
+    user: str | None = None,
+    password: str | None = None,
+    creds: str | None = None,
+    token: str | None = None,
+    timeout: float = CONNECT_TIMEOUT_S,  # noqa: ASYNC109 - the connect timeout nats-py takes
+    max_reconnect_attempts: int = -1,
+    reconnect_time_wait: float = RECONNECT_WAIT_S,
+) -> Client:
+    """Connect with service-grade reconnects (default: forever, -1) and fast dead-peer detection."""
+    servers = [url] if isinstance(url, str) else list(url)
+    nc: Client = await nats.connect(
+        servers=servers,
+        name=name,
+        user=user,
+        password=password,
+        user_credentials=creds,
+        token=token,
+        connect_timeout=timeout,  # type: ignore[arg-type,unused-ignore]  # annotated int, float works
+        allow_reconnect=True,
+        max_reconnect_attempts=max_reconnect_attempts,
+        reconnect_time_wait=reconnect_time_wait,  # type: ignore[arg-type,unused-ignore]
+        ping_interval=PING_INTERVAL_S,
+        max_outstanding_pings=MAX_OUTSTANDING_PINGS,
+        error_cb=_on_error,
+        disconnected_cb=_on_disconnected,
+        reconnected_cb=_on_reconnected,
+    )
+    return nc
+
+
+@dataclass
+class Bus:
+    """A connection, its JetStream context and the deployment's subjects, passed around together."""
+
+    nc: Client
+    js: JetStreamContext
+    subjects: Subjects = field(default_factory=Subjects)
+
+    @classmethod
+    async def open(
+        cls,
+        url: str | list[str],
+        *,
+        name: str,
+        subjects: Subjects | None = None,
+        max_reconnect_attempts: int = -1,
+        user: str | None = None,
+        password: str | None = None,
+        creds: str | None = None,
+        token: str | None = None,
+    ) -> Bus:
+        nc = await connect(
+            url,
+            name=name,
+            max_reconnect_attempts=max_reconnect_attempts,
+            user=user,
+            password=password,
+            creds=creds,
+            token=token,
+        )
+        return cls(nc=nc, js=nc.jetstream(), subjects=subjects or Subjects())
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.close()
+
+
+# --- provisioning --------------------------------------------------------------------------------
+
+
+class PartitionMismatch(Exception):
+    """An existing stream was provisioned with a different partition count (a migration)."""
+
+
+class StreamsConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Retention and replication of the vmfence streams and buckets for one deployment."""
+
+    replicas: Literal[1, 3] = 1
+    storage: Literal["file", "memory"] = "file"
+    partitions: int = DEFAULT_PARTITIONS
+    in_max_age_s: float = 7 * DAY_S
+    log_max_age_s: float = 0.0  # 0 = keep forever (audit)
+    dlq_max_age_s: float = 30 * DAY_S
+    cmd_max_age_s: float = 7 * DAY_S
+    duplicate_window_s: float = 120.0
+    lease_ttl_s: float = 10.0
+    hosts_ttl_s: float = 15.0
+
+
+def _storage(cfg: StreamsConfig) -> api.StorageType:
+    return api.StorageType.FILE if cfg.storage == "file" else api.StorageType.MEMORY
+
+
+def stream_configs(subjects: Subjects, cfg: StreamsConfig) -> list[api.StreamConfig]:
+    """The four vmfence streams as nats-py configs (exposed for tests and `vmfence status`)."""
+    meta = {META_PARTITIONS: str(cfg.partitions)}
+    common = {
+        "storage": _storage(cfg),
+        "num_replicas": cfg.replicas,
+        "duplicate_window": cfg.duplicate_window_s,
+        "discard": api.DiscardPolicy.OLD,
+    }
+    return [
+        api.StreamConfig(
+            name=subjects.stream_in,
+            subjects=[subjects.in_all],
+            retention=api.RetentionPolicy.LIMITS,
+            max_age=cfg.in_max_age_s,
+            allow_direct=True,
+            metadata=dict(meta),
+            **common,  # type: ignore[arg-type]
+        ),
+        api.StreamConfig(
+            name=subjects.stream_log,
+            subjects=[subjects.log_all],
+            retention=api.RetentionPolicy.LIMITS,
+            max_age=cfg.log_max_age_s,
+            allow_direct=True,
+            metadata=dict(meta),
+            **common,  # type: ignore[arg-type]
+        ),
+        api.StreamConfig(
+            name=subjects.stream_cmd,
+            subjects=[subjects.cmd_all],
+            retention=api.RetentionPolicy.WORK_QUEUE,
+            max_age=cfg.cmd_max_age_s,
+            **common,  # type: ignore[arg-type]
+        ),
+        api.StreamConfig(
+            name=subjects.stream_dlq,
+            subjects=[subjects.dlq_all],
+            retention=api.RetentionPolicy.LIMITS,
+            max_age=cfg.dlq_max_age_s,
+            **common,  # type: ignore[arg-type]
+        ),
+    ]
+
+
+def kv_stream_config(bucket: str, ttl_s: float, cfg: StreamsConfig) -> api.StreamConfig:
+    """A KV bucket's backing stream, as nats-py's create_key_value builds it (history 1, TTL)."""
+    return api.StreamConfig(
+        name=f"KV_{bucket}",
+        subjects=[f"$KV.{bucket}.>"],
+        allow_direct=True,
+        allow_rollup_hdrs=True,
+        allow_msg_ttl=True,
+        deny_delete=True,
+        discard=api.DiscardPolicy.NEW,
+        duplicate_window=min(120.0, ttl_s),
+        max_age=ttl_s,
+        max_consumers=-1,
+        max_msgs=-1,
+        max_msgs_per_subject=1,
+        num_replicas=cfg.replicas,
+        storage=_storage(cfg),
+    )
+
+
+def _check_partitions(info: api.StreamInfo, want: int) -> None:
+    recorded = (info.config.metadata or {}).get(META_PARTITIONS)
+    if recorded is not None and recorded != str(want):
+        raise PartitionMismatch(
+            f"stream {info.config.name} was provisioned with {recorded} partitions, this deployment "
+            f"uses {want}; changing the partition count is a migration (see docs), not a restart"
+        )
+
+
+async def _ensure_stream(js: JetStreamContext, want: api.StreamConfig, partitions: int | None) -> None:
+    """Create the stream, or check and update it; safe when several processes race."""
+    assert want.name is not None
+    try:
+        info: api.StreamInfo | None = await js.stream_info(want.name)
+    except nats.js.errors.NotFoundError:
+        info = None
+    if info is None:
+        try:
+            await js.add_stream(want)
+            return
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != ERR_STREAM_NAME_IN_USE:
+                raise
+        # Another process created it first (with some config): fall through to check/update.
+        info = await js.stream_info(want.name)
+    if partitions is not None:
+        _check_partitions(info, partitions)
+    # Keep server-added metadata (e.g. _nats.*) and add ours.
+    merged_meta = {**(info.config.metadata or {}), **(want.metadata or {})}
+    update = want.evolve(metadata=merged_meta or None)
+    await js.update_stream(update)
+
+
+async def provision(js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig) -> None:
+    """Idempotently create/update the vmfence streams and KV buckets for this deployment."""
+    if cfg.partitions != subjects.partitions:
+        raise ValueError(
+            f"StreamsConfig.partitions={cfg.partitions} but Subjects.partitions={subjects.partitions}"
+        )
+    if cfg.replicas not in (1, 3):
+        raise ValueError("replicas must be 1 or 3")
+    for sc in stream_configs(subjects, cfg):
+        check = cfg.partitions if sc.name in (subjects.stream_in, subjects.stream_log) else None
+        await _ensure_stream(js, sc, check)
+    await _ensure_stream(js, kv_stream_config(subjects.kv_leases, cfg.lease_ttl_s, cfg), None)
+    await _ensure_stream(js, kv_stream_config(subjects.kv_hosts, cfg.hosts_ttl_s, cfg), None)
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMsg:
+    """One stored stream message."""
+
+    seq: int
+    subject: str
+    headers: Mapping[str, str]
+    data: bytes
+
+
+def _stored(raw: api.RawStreamMsg) -> StoredMsg:
+    assert raw.seq is not None and raw.subject is not None
+    return StoredMsg(seq=raw.seq, subject=raw.subject, headers=dict(raw.headers or {}), data=raw.data or b"")
+
+
+async def last_on_subject(js: JetStreamContext, stream: str, subject: str) -> StoredMsg | None:
+    """The subject's last message, read from the stream leader (a consistent read), or None."""
+    try:
+        raw = await js.get_last_msg(stream, subject)
+    except nats.js.errors.NotFoundError:
+        return None
+    return _stored(raw)
+
+
+async def read_subject(
+    js: JetStreamContext, stream: str, subject: str, *, after_seq: int = 0
+) -> AsyncIterator[StoredMsg]:
+    """All messages of one subject after after_seq, in order (leader `next_by_subj` gets).
+
+    One request per message: meant for re-reading one key's log after a lost race.
+    """
+    seq = after_seq + 1
+    while True:
+        try:
+            raw = await js.get_msg(stream, seq=seq, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:
+            return
+        msg = _stored(raw)
+        yield msg
+        seq = msg.seq + 1
+
+
+def _reply_seq_pending(reply: str) -> tuple[int, int]:
+    """Stream sequence and pending count from a JetStream ack subject (v1 and v2 layouts)."""
+    tokens = reply.split(".")
+    if len(tokens) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+        return int(tokens[5]), int(tokens[8])
+    # v2: $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[.<rand>]
+    return int(tokens[7]), int(tokens[10])
+
+
+async def read_stream(
+    js: JetStreamContext,
+    stream: str,
+    filter_subject: str | None = None,
+    *,
+    start_seq: int = 1,
+    until_seq: int | None = None,
+    batch: int = READ_BATCH,
+) -> AsyncIterator[StoredMsg]:
+    """Every stored message (optionally filtered) from start_seq in order, fast, for replay/export.
+
+    Stops at until_seq, or at the stream's last sequence when the call starts. Uses an ephemeral
+    AckNone pull consumer and keeps one batch request in flight ahead of the reader.
+    """
+    info = await js.stream_info(stream)
+    last = info.state.last_seq if until_seq is None else min(until_seq, info.state.last_seq)
+    start = max(start_seq, 1)
+    if last < start or info.state.messages == 0:
+        return
+    nc: Client = js._nc
+    cfg = api.ConsumerConfig(
+        deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=start,
+        ack_policy=api.AckPolicy.NONE,
+        filter_subject=filter_subject,
+        inactive_threshold=READ_CONSUMER_IDLE_S,
+        mem_storage=True,
+        num_replicas=1,
+        max_waiting=4,
+    )
+    cinfo = await js._jsm.add_consumer(stream, config=cfg, timeout=READ_TIMEOUT_S)
+    consumer = cinfo.name
+    pending_total = cinfo.num_pending or 0
+    if pending_total == 0:
+        await _delete_consumer_quietly(js, stream, consumer)
+        return
+
+    inbox = nc.new_inbox()
+    buf: deque[Msg] = deque()
+    wake = asyncio.Event()
+
+    async def on_msg(msg: Msg) -> None:
+        buf.append(msg)
+        wake.set()
+
+    sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=batch * 4)
+    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+    expires_ns = int(READ_TIMEOUT_S * 1e9)
+
+    async def request(n: int) -> None:
+        await nc.publish(next_subject, json.dumps({"batch": n, "expires": expires_ns}).encode(), reply=inbox)
+
+    try:
+        outstanding = 0  # messages requested and not yet received
+        await request(batch)
+        outstanding += batch
+        while True:
+            if not buf:
+                wake.clear()
+                if not buf:
+                    try:
+                        await asyncio.wait_for(wake.wait(), READ_TIMEOUT_S)
+                    except TimeoutError:
+                        raise TimeoutError(
+                            f"read_stream {stream}: no message within {READ_TIMEOUT_S}s"
+                        ) from None
+            msg = buf.popleft()
+            if not msg.reply:  # status message: 408 request expired / 404 / 409
+                status = msg.headers.get("Status") if msg.headers else None
+                if status in ("404", "408"):
+                    outstanding = 0
+                    await request(batch)
+                    outstanding = batch
+                    continue
+                raise nats.js.errors.APIError.from_msg(msg)
+            outstanding -= 1
+            if outstanding <= batch // 2:
+                await request(batch)
+                outstanding += batch
+            seq, pending = _reply_seq_pending(msg.reply)
+            if seq > last:
+                return
+            yield StoredMsg(seq=seq, subject=msg.subject, headers=dict(msg.headers or {}), data=msg.data)
+            if seq >= last or pending == 0:
+                return
+    finally:
+        try:
+            await sub.unsubscribe()
+        except nats.errors.Error:
+            pass
+        await _delete_consumer_quietly(js, stream, consumer)
+
+
+async def _delete_consumer_quietly(js: JetStreamContext, stream: str, consumer: str | None) -> None:
+    """Best effort: an ephemeral consumer also expires by inactive_threshold."""
+    if consumer is None:
+        return
+    try:
+        await asyncio.wait_for(js.delete_consumer(stream, consumer), READ_TIMEOUT_S)
+    except (nats.errors.Error, TimeoutError):
+        pass
+
+
+# --- fenced append -------------------------------------------------------------------------------
+
+
+class LostRace(Exception):
+    """Someone else appended to the subject since the writer's expected sequence."""
+
+    def __init__(self, subject: str, expected: int, actual_last_seq: int | None) -> None:
+        super().__init__(f"lost race on {subject}: expected last seq {expected}, actual {actual_last_seq}")
+        self.subject = subject
+        self.expected = expected
+        self.actual_last_seq = actual_last_seq
+
+
+class AppendFailed(Exception):
+    """An append could not be confirmed within its bounded retries (outcome unknown)."""
+
+
+def _retriable_api_error(exc: nats.js.errors.APIError) -> bool:
+    return exc.err_code in ERR_IN_FLIGHT_PROPOSAL or exc.code in RETRIABLE_HTTP_CODES
+
+
+async def fenced_append(
+    js: JetStreamContext,
+    subject: str,
+    payload: bytes,
+    *,
+    expected_last_subject_seq: int,
+    msg_id: str,
+    stream: str,
+    timeout: float = APPEND_TIMEOUT_S,  # noqa: ASYNC109 - per request, not overall
+    headers: dict[str, str] | None = None,
+) -> int:
+    """Append iff the subject's last sequence is expected_last_subject_seq (0 = empty subject).
+
+    Returns the new stream sequence. Raises LostRace when another writer got there first and
+    AppendFailed when retries run out. msg_id must identify *this writer's* entry (e.g. include the
+    writer id or a content hash): a retry with the same msg_id that finds its own entry on top is
+    reported as success, so two competing writers must never share a msg_id.
+    """
+    hdrs = dict(headers or {})
+    hdrs[H_EXPECTED_LAST_SUBJECT_SEQ] = str(expected_last_subject_seq)
+    hdrs[H_MSG_ID] = msg_id
+    last_error: BaseException | None = None
+    for attempt in range(APPEND_MAX_ATTEMPTS):
+        try:
+            ack = await js.publish(subject, payload, timeout=timeout, stream=stream, headers=dict(hdrs))
+            return int(ack.seq)  # duplicate=True (R3 retry) carries the original sequence
+        except nats.js.errors.APIError as exc:
+            if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
+                return await _resolve_wrong_last(js, stream, subject, msg_id, expected_last_subject_seq)
+            if not _retriable_api_error(exc):
+                raise
+            last_error = exc
+        except (TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError) as exc:
+            last_error = exc  # maybe landed: the retry's Msg-Id/expected-seq resolves it
+        await asyncio.sleep(backoff_delay(attempt))
+    raise AppendFailed(
+        f"append to {subject} unconfirmed after {APPEND_MAX_ATTEMPTS} attempts: {last_error!r}"
+    )
+
+
+async def _resolve_wrong_last(
+    js: JetStreamContext, stream: str, subject: str, msg_id: str, expected: int
+) -> int:
+    """10071: a benign retry if the subject's last message is ours, else a lost race."""
+    for attempt in range(APPEND_MAX_ATTEMPTS):
+        try:
+            last = await last_on_subject(js, stream, subject)
+            break
+        except (TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError):
+            await asyncio.sleep(backoff_delay(attempt))
+        except nats.js.errors.APIError as exc:
+            if not _retriable_api_error(exc):
+                raise
+            await asyncio.sleep(backoff_delay(attempt))
+    else:
+        raise AppendFailed(f"append to {subject}: wrong last sequence and its last message is unreadable")
+    if last is not None and last.headers.get(H_MSG_ID) == msg_id:
+        return last.seq
+    raise LostRace(subject, expected, None if last is None else last.seq)
+
+
+# --- plain publishes -----------------------------------------------------------------------------
+
+
+async def publish_input(
+    js: JetStreamContext,
+    subject: str,
+    payload: bytes,
+    *,
+    msg_id: str,
+    headers: dict[str, str] | None = None,
+    timeout: float = APPEND_TIMEOUT_S,  # noqa: ASYNC109 - per request, not overall
+) -> int:
+    """Publish with Nats-Msg-Id (retries are deduplicated by the stream) and return its sequence."""
+    hdrs = dict(headers or {})
+    hdrs[H_MSG_ID] = msg_id
+    last_error: BaseException | None = None
+    for attempt in range(PUBLISH_MAX_ATTEMPTS):
+        try:
+            ack = await js.publish(subject, payload, timeout=timeout, headers=dict(hdrs))
+            return int(ack.seq)
+        except nats.js.errors.APIError as exc:
+            if not _retriable_api_error(exc):
+                raise
+            last_error = exc
+        except (TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError) as exc:
+            last_error = exc
+        await asyncio.sleep(backoff_delay(attempt))
+    raise AppendFailed(
+        f"publish to {subject} unconfirmed after {PUBLISH_MAX_ATTEMPTS} attempts: {last_error!r}"
+    )
+
+
+async def dead_letter(
+    js: JetStreamContext,
+    subjects: Subjects,
+    *,
+    source: str,
+    reason: str,
+    subject: str,
+    data: bytes,
+    headers: Mapping[str, str] | None = None,
+) -> None:
+    """Park an unprocessable message on ``<prefix>.dlq.<source>`` with why and where it came from."""
+    hdrs = {k: v for k, v in (headers or {}).items() if not k.startswith("Nats-")}
+    hdrs[H_REASON] = reason.replace("\r", " ").replace("\n", " ")
+    hdrs[H_ORIGINAL_SUBJECT] = subject
+    last_error: BaseException | None = None
+    for attempt in range(PUBLISH_MAX_ATTEMPTS):
+        try:
+            await js.publish(subjects.dlq(source), data, timeout=APPEND_TIMEOUT_S, headers=dict(hdrs))
+            return
+        except nats.js.errors.APIError as exc:
+            if not _retriable_api_error(exc):
+                raise
+            last_error = exc
+        except (TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError) as exc:
+            last_error = exc
+        await asyncio.sleep(backoff_delay(attempt))
+    raise AppendFailed(f"dead letter from {source} unconfirmed: {last_error!r}")
+
+
+# --- partition leases ----------------------------------------------------------------------------
+
+
+class LeaseLost(Exception):
+    """The lease's revision CAS failed: someone else holds it, or it expired."""
+
+
+class LeaseValue(msgspec.Struct, frozen=True):
+    """What a lease entry holds. expires_hint is informational only: the KV revision is the fence."""
+
+    owner: str
+    expires_hint: float
+
+
+_lease_encoder = msgspec.json.Encoder()
+_lease_decoder = msgspec.json.Decoder(LeaseValue)
+
+
+class PartitionLease:
+    """One partition's lease in the leases bucket: KV create / CAS-update / CAS-delete.
+
+    The bucket's TTL (max_age) expires a lease that is not renewed; each renew writes a new message
+    and so restarts its age. Owner ids must be unique per process incarnation: acquire() lets an
+    owner re-take an entry that carries its own id.
+    """
+
+    def __init__(self, kv: KeyValue, partition: int | str, owner: str, *, ttl_hint_s: float = 10.0) -> None:
+        self.kv = kv
+        self.key = str(partition)
+        self.owner = owner
+        self.ttl_hint_s = ttl_hint_s
+        self.revision: int | None = None
+
+    def _value(self) -> bytes:
+        return _lease_encoder.encode(LeaseValue(owner=self.owner, expires_hint=time.time() + self.ttl_hint_s))
+
+    async def holder(self) -> tuple[LeaseValue, int] | None:
+        """Current holder and revision, or None when free (never written, deleted or expired)."""
+        try:
+            entry = await self.kv.get(self.key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        if entry.value is None or entry.revision is None:
+            return None
+        return _lease_decoder.decode(entry.value), entry.revision
+
+    async def acquire(self) -> int | None:
+        """Take the lease if free (or already ours); the new revision, or None if held by another."""
+        for _ in range(LEASE_ACQUIRE_ATTEMPTS):
+            try:
+                rev = int(await self.kv.create(self.key, self._value()))
+                self.revision = rev
+                return rev
+            except nats.js.errors.KeyWrongLastSequenceError:
+                pass
+            current = await self.holder()
+            if current is None:
+                continue  # expired or deleted between create and get: try create again
+            value, rev = current
+            if value.owner != self.owner:
+                self.revision = None
+                return None
+            try:
+                new_rev = int(await self.kv.update(self.key, self._value(), last=rev))
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue
+            self.revision = new_rev
+            return new_rev
+        self.revision = None
+        return None
+
+    async def renew(self, revision: int | None = None) -> int:
+        """CAS-update from revision (default: the last one this object saw); LeaseLost if stale."""
+        last = self.revision if revision is None else revision
+        if not last:
+            raise LeaseLost(f"lease {self.key}: not held")
+        try:
+            rev = int(await self.kv.update(self.key, self._value(), last=last))
+        except nats.js.errors.KeyWrongLastSequenceError as exc:
+            self.revision = None
+            raise LeaseLost(f"lease {self.key} lost (revision {last} is no longer current)") from exc
+        self.revision = rev
+        return rev
+
+    async def release(self, revision: int | None = None) -> bool:
+        """CAS-delete; False if the lease was already lost (then nothing is touched)."""
+        last = self.revision if revision is None else revision
+        if not last:
+            return False
+        try:
+            await self.kv.delete(self.key, last=last)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code in (ERR_WRONG_LAST_SEQUENCE, *ERR_IN_FLIGHT_PROPOSAL):
+                self.revision = None
+                return False
+            raise
+        self.revision = None
+        return True
