@@ -1,0 +1,722 @@
+"""``decide``: the fence policy, one input at a time, as a table of small pure rules.
+
+``decide(state, input, env)`` returns the decisions one input produces; the reconciler appends them
+to the key's log as one entry and then carries out their effects. Each decision is folded into a
+working copy as it is made, so every rule sees the state the log will have at that point — which is
+also what the audit re-derives.
+
+Reading guide (the rows of the table):
+
+    input            state of the key                      decisions
+    ---------------  ------------------------------------  ------------------------------------
+    Observed         uid tombstoned                        Skipped(superseded)
+                     uid current, not newer                (dropped)
+                     uid current, deleting/gone            delete path (rule 5)
+                     uid current, spec changed             SpecChanged [+ hibernate / wake]
+                     uid unknown                           ConfirmRequested   (rule 3)
+    ConfirmedRead    object absent                         delete path of current, tombstones
+                     same uid as current                   (tombstones for others seen)
+                     new uid                               Superseded(old) + Admitted(new) (rule 2,3)
+    CommandResult    command not outstanding               (dropped: redelivery)
+                     create/start/wake ok, fence current   Bound
+                     ok for a superseded fence             Skipped(stale_effect) + remove (no leak)
+                     remove ok / not_found                 Released [+ bring-up of successor]
+                     adopt ok / not_found / inconclusive   Bound / Released+create / retry (rule 8)
+    VMExited         current bound VM                      Restarting | Succeeded | Failed (rule 7)
+    VMGone           current bound VM, no delete claim     Released + EvictionRequested (rule 7)
+                     current bound VM, delete claim held   Released + EvictionDeferred
+    ProbeChanged     fence not current                     Skipped(superseded | stale_effect)
+    Inventoried      unknown VM of current uid             adopt (inspect first, rule 8)
+                     unknown VM of another uid             remove as orphan (never a leak)
+    WriteDone        superseded (Conflict/Invalid)         ConfirmRequested (rule 6)
+                     gone (NotFound)                       delete path
+    TimerFired       purpose                               re-check, never destroy (rule 12)
+
+After every input a status intent is derived from the incarnation and requested if it changed, so
+no rule has to remember to write status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from shared.schema import (
+    Admitted,
+    Bound,
+    Command,
+    Commanded,
+    CommandOp,
+    CommandResult,
+    ConfirmedRead,
+    ConfirmRequested,
+    Decision,
+    DeleteClaimed,
+    Done,
+    EvictionDeferred,
+    EvictionRequested,
+    Failed,
+    Fence,
+    Forgotten,
+    Hibernated,
+    Input,
+    Inventoried,
+    KubeWrite,
+    Observed,
+    Placed,
+    PodStatusIntent,
+    ProbeChanged,
+    ReadyChanged,
+    Released,
+    Restarting,
+    Skipped,
+    Spec,
+    SpecChanged,
+    Succeeded,
+    Superseded,
+    TimerArmed,
+    TimerFired,
+    VMExited,
+    VMGone,
+    WriteDone,
+    WriteRequested,
+)
+from shared.state import Incarnation, KeyState, fold
+
+# Named bounds (seconds) for the re-checks timers trigger.
+PLACE_RETRY_S = 2.0
+EFFECT_RETRY_S = 1.0
+
+
+class HostView(msgspec.Struct, frozen=True):
+    """A live host as its heartbeat describes it, plus VMs the reconciler has placed there since."""
+
+    name: str
+    cpus_free: int
+    memory_free_mib: int
+    vms: int = 0
+
+
+class DecideEnv(msgspec.Struct, frozen=True):
+    """Everything besides state and input that a decision may depend on. Decisions that depend on
+    it (placement, backoff) are logged, so replay never needs it."""
+
+    hosts: Sequence[HostView] = ()
+    restart_backoff_base_s: float = 10.0
+    restart_backoff_max_s: float = 300.0
+    writer: str = ""
+
+
+class _Run:
+    """Collects decisions while folding them into a working copy of the state."""
+
+    def __init__(self, state: KeyState, env: DecideEnv) -> None:
+        self.s = state
+        self.env = env
+        self.out: list[Decision] = []
+
+    def add(self, d: Decision) -> None:
+        self.out.append(d)
+        fold(self.s, d)
+
+    @property
+    def next_n(self) -> int:
+        return self.s.n + 1
+
+    def effect_id(self, *parts: object) -> str:
+        """Deterministic effect ids: derived from the log position, so replay re-derives them."""
+        return ":".join(str(p) for p in (*parts, self.next_n, len(self.out)))
+
+
+def decide(state: KeyState, inp: Input, env: DecideEnv | None = None) -> list[Decision]:
+    """Decisions for one input. ``state`` is not modified (a copy is folded)."""
+    run = _Run(_copy(state), env or DecideEnv())
+    match inp:
+        case Observed():
+            _on_observed(run, inp)
+        case ConfirmedRead():
+            _on_confirmed(run, inp)
+        case CommandResult():
+            _on_result(run, inp)
+        case VMExited():
+            _on_exited(run, inp)
+        case VMGone():
+            _on_gone(run, inp)
+        case ProbeChanged():
+            _on_probe(run, inp)
+        case Inventoried():
+            _on_inventory(run, inp)
+        case WriteDone():
+            _on_write_done(run, inp)
+        case TimerFired():
+            _on_timer(run, inp)
+    _sync_status(run)
+    return run.out
+
+
+_copier = msgspec.msgpack.Encoder()
+_copy_decoder = msgspec.msgpack.Decoder(KeyState)
+
+
+def _copy(s: KeyState) -> KeyState:
+    return _copy_decoder.decode(_copier.encode(s))
+
+
+# ----------------------------------------------------------------------------- observations
+
+
+def _on_observed(run: _Run, o: Observed) -> None:
+    s = run.s
+    if s.is_tombstoned(o.uid):
+        run.add(Skipped("superseded", o.uid, "observation of a superseded incarnation"))
+        return
+    cur = s.cur
+    if cur is not None and cur.fence.uid == o.uid:
+        if o.resource_version <= cur.rv and not o.gone:
+            return  # not newer than what we folded: dropped, counted by the shell
+        if o.gone or o.deleting:
+            _delete_path(run, cur, gone=o.gone)
+            return
+        _spec_change(run, cur, o.spec, o.resource_version, o.invalid)
+        return
+    if o.gone:
+        return  # deletion of an incarnation we never admitted: nothing of ours to undo
+    _request_confirm(run, o.uid)
+
+
+def _request_confirm(run: _Run, uid: str) -> None:
+    """Ask for a consistent read. Reads for one key run in order, so each answer is at least as new
+    as the observation that asked for it; one read per unknown uid is enough."""
+    if any(isinstance(e, ConfirmRequested) and e.seen_uid == uid for e in run.s.outbox.values()):
+        return
+    run.add(ConfirmRequested(request=run.effect_id("confirm"), seen_uid=uid))
+
+
+def _spec_change(run: _Run, cur: Incarnation, spec: Spec, rv: int, invalid: str | None) -> None:
+    if spec == cur.spec and invalid == cur.invalid:
+        return  # e.g. our own status write coming back: nothing changed
+    if invalid is not None:
+        run.add(Skipped("invalid_spec", cur.fence.uid, invalid))
+        _event(run, cur.fence, "InvalidSpec", invalid, warning=True)
+        return
+    old = cur.spec
+    run.add(SpecChanged(cur.fence, spec, rv))
+    if spec.hibernate and not old.hibernate:
+        _hibernate(run, cur)
+    elif old.hibernate and not spec.hibernate:
+        _wake(run, cur)
+
+
+# ---------------------------------------------------------------------- confirmation (rule 3)
+
+
+def _on_confirmed(run: _Run, r: ConfirmedRead) -> None:
+    s = run.s
+    asked = s.outbox.get(r.request)
+    if not isinstance(asked, ConfirmRequested):
+        return  # a redelivered read
+    run.add(Done(r.request, "confirmed" if r.uid else "absent"))
+    seen = asked.seen_uid
+    if seen != r.uid and not s.is_tombstoned(seen) and (s.cur is None or s.cur.fence.uid != seen):
+        # seen before the read was issued, absent from it: that incarnation is already dead
+        run.add(Superseded(Fence(s.key, seen, 0), by_uid=r.uid))
+    cur = s.cur
+    if r.uid is None:
+        if cur is not None:
+            _delete_path(run, cur, gone=True)
+    elif cur is not None and cur.fence.uid == r.uid:
+        if r.deleting:
+            _delete_path(run, cur, gone=False)
+    elif s.is_tombstoned(r.uid):
+        run.add(Skipped("superseded", r.uid, "consistent read returned a tombstoned uid"))
+    else:
+        _admit(run, r)
+
+
+def _admit(run: _Run, r: ConfirmedRead) -> None:
+    s = run.s
+    assert r.uid is not None
+    prev = s.cur
+    adopt_vm: str | None = None
+    if prev is not None:
+        run.add(Superseded(prev.fence, by_uid=r.uid))
+        _event(run, prev.fence, "Superseded", f"replaced by incarnation {r.uid}", warning=False)
+        if r.spec.on_recreate == "adopt" and prev.vm_id in s.vms and prev.bound:
+            adopt_vm = prev.vm_id
+    fence = Fence(s.key, r.uid, s.epoch + 1)
+    run.add(Admitted(fence, r.spec, r.invalid, r.resource_version))
+    cur = s.cur
+    assert cur is not None
+    # predecessor VMs: adopt the bound one if asked to, remove the rest (rule 8 default: replace)
+    for rec in list(s.vms.values()):
+        if rec.fence.uid == r.uid or rec.state == "removing":
+            continue
+        if rec.vm_id == adopt_vm:
+            _command(run, "adopt", fence, rec.host, rec.vm_id, cur.spec)
+        else:
+            _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
+    if r.invalid is not None:
+        run.add(Failed(fence, "InvalidSpec", r.invalid))
+        _event(run, fence, "InvalidSpec", r.invalid, warning=True)
+        if r.deleting:
+            _delete_path(run, cur, gone=False)
+        return
+    if r.deleting:
+        _delete_path(run, cur, gone=False)
+        return
+    _bring_up(run)
+
+
+# ------------------------------------------------------------------------- bring-up (rule 2)
+
+
+def _bring_up(run: _Run) -> None:
+    """Create (or wake) the current incarnation's VM — only when no other VM of the key exists, so
+    a key never has two VMs at once."""
+    s = run.s
+    cur = s.cur
+    if cur is None or cur.deleting or cur.invalid is not None or cur.phase in ("Failed", "Succeeded"):
+        return
+    if cur.vm_id is not None and cur.vm_id in s.vms:
+        return  # has (or is making) its VM
+    if s.vms:
+        return  # another VM of the key is still being removed or adopted: wait for its Released
+    if any(_timer_purpose(e) == "place" for e in s.outbox.values()):
+        return
+    if cur.hibernated:
+        _wake(run, cur)  # restores from the snapshot in the log; never a blank VM (rule 10)
+        return
+    host = _place(run.env, cur.spec)
+    if host is None:
+        run.add(Skipped("no_host", cur.fence.uid, "no live host fits; retrying"))
+        _arm(run, cur.fence, "place", PLACE_RETRY_S)
+        return
+    vm_id = _vm_name(s.key, cur.fence.uid, cur.gen + 1)
+    run.add(Placed(cur.fence, vm_id, host))
+    _command(run, "create", cur.fence, host, vm_id, cur.spec)
+
+
+def _place(env: DecideEnv, spec: Spec) -> str | None:
+    fits = [
+        h
+        for h in env.hosts
+        if h.cpus_free >= spec.cpus
+        and h.memory_free_mib >= spec.memory_mib
+        and (spec.host_selector is None or h.name == spec.host_selector)
+    ]
+    if not fits:
+        return None
+    return min(fits, key=lambda h: (h.vms, -h.memory_free_mib, h.name)).name
+
+
+def _vm_name(key: str, uid: str, gen: int) -> str:
+    name = key.rsplit("/", 1)[-1]
+    safe = "".join(ch if ch.isalnum() or ch == "-" else "-" for ch in name.lower())[:40].strip("-")
+    return f"{safe or 'vm'}-{uid.replace('-', '')[:8]}-{gen}"
+
+
+# ---------------------------------------------------------------------------------- results
+
+
+def _on_result(run: _Run, r: CommandResult) -> None:
+    s = run.s
+    pending = s.outbox.get(r.command_id)
+    if not isinstance(pending, Commanded):
+        return  # redelivered result of a finished command
+    cmd = pending.command
+    if cmd.fence != r.fence or cmd.vm_id != r.vm_id:
+        run.add(Skipped("stale_effect", r.fence.uid, f"result fence does not match command {cmd.id}"))
+        return
+    run.add(Done(cmd.id, r.outcome))
+    rec = s.vms.get(cmd.vm_id)
+    cur = s.cur
+    if r.outcome == "fenced":
+        run.add(Skipped("fenced", r.fence.uid, f"agent refused {cmd.op} of {cmd.vm_id}"))
+        return
+    if r.outcome == "inconclusive":
+        if cmd.op == "adopt" and s.is_current(cmd.fence):
+            _arm(run, cmd.fence, f"adopt/{cmd.vm_id}", EFFECT_RETRY_S)
+        elif rec is not None:
+            _arm(run, rec.fence, f"retry/{cmd.op}/{cmd.vm_id}", EFFECT_RETRY_S)
+        return
+    match cmd.op:
+        case "create" | "start" | "wake":
+            _result_up(run, cmd, r)
+        case "remove":
+            if r.outcome in ("ok", "not_found"):
+                if rec is not None:
+                    run.add(Released(rec.fence, cmd.vm_id, cmd.host, "removed", cmd.id))
+                    _after_release(run)
+            elif rec is not None:
+                _arm(run, rec.fence, f"retry/remove/{cmd.vm_id}", EFFECT_RETRY_S)
+        case "hibernate":
+            if r.outcome == "ok" and r.snapshot is not None and rec is not None:
+                run.add(Hibernated(rec.fence, cmd.vm_id, cmd.host, r.snapshot))
+                if cur is not None and cur.fence == rec.fence:
+                    _event(run, cur.fence, "Hibernated", f"snapshot {r.snapshot} on {cmd.host}")
+                _after_release(run)  # finishes a delete, or wakes if unhibernated meanwhile
+            elif rec is not None:
+                run.add(Skipped("hibernate_failed", r.fence.uid, r.error or ""))
+                if cur is not None and cur.fence == rec.fence and not cur.deleting:
+                    run.add(Bound(cur.fence, cmd.vm_id, cmd.host, cmd.id, cur.ip, cur.vnc_port))
+                else:
+                    _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
+        case "adopt":
+            if rec is None:
+                return
+            if r.outcome == "ok" and cur is not None and cur.fence == cmd.fence and not cur.deleting:
+                run.add(Bound(cur.fence, cmd.vm_id, cmd.host, cmd.id, r.ip, r.vnc_port))
+                _event(run, cur.fence, "Adopted", f"VM {cmd.vm_id} on {cmd.host}")
+            elif r.outcome == "ok":
+                _command(run, "remove", cmd.fence, cmd.host, cmd.vm_id, None)
+            else:
+                run.add(Released(rec.fence, cmd.vm_id, cmd.host, "lost", cmd.id))
+                _after_release(run)
+        case "inspect":
+            pass
+
+
+def _result_up(run: _Run, cmd: Command, r: CommandResult) -> None:
+    s = run.s
+    rec = s.vms.get(cmd.vm_id)
+    cur = s.cur
+    if r.outcome != "ok":
+        if rec is not None and rec.fence == cmd.fence:
+            # a failed bring-up releases only a claim it still owns (rule 2)
+            run.add(Released(cmd.fence, cmd.vm_id, cmd.host, f"{cmd.op}_failed", cmd.id))
+        if cur is not None and cur.fence == cmd.fence and not cur.deleting:
+            _event(run, cur.fence, "FailedCreate", r.error or f"{cmd.op} failed", warning=True)
+            _arm(run, cur.fence, "place", EFFECT_RETRY_S)
+        else:
+            _after_release(run)
+        return
+    if rec is None or rec.state == "removing":
+        return  # a remove is already queued behind it on the same host
+    if cur is not None and cur.fence == cmd.fence and not cur.deleting and cur.vm_id == cmd.vm_id:
+        run.add(Bound(cur.fence, cmd.vm_id, cmd.host, cmd.id, r.ip, r.vnc_port))
+        _event(run, cur.fence, "Started", f"VM {cmd.vm_id} running on {cmd.host}")
+        if cur.spec.hibernate:
+            _hibernate(run, cur)
+        return
+    reason = "superseded" if s.is_tombstoned(cmd.fence.uid) else "stale_effect"
+    run.add(Skipped(reason, cmd.fence.uid, f"{cmd.op} of {cmd.vm_id} finished after its fence ended"))
+    _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
+
+
+def _after_release(run: _Run) -> None:
+    """A VM left the key: finish a delete, or bring up the successor that waited for it."""
+    s = run.s
+    cur = s.cur
+    if cur is None:
+        return
+    if cur.delete_claim:
+        if not any(rec.fence == cur.fence for rec in s.vms.values()):
+            _finish_delete(run, cur)
+        return
+    _bring_up(run)
+
+
+# ------------------------------------------------------------------------- deletes (rule 5)
+
+
+def _delete_path(run: _Run, cur: Incarnation, *, gone: bool) -> None:
+    s = run.s
+    if cur.delete_claim:
+        if gone and not any(rec.fence == cur.fence for rec in s.vms.values()):
+            _forget(run, cur)
+            return
+        run.add(Skipped("delete_in_flight", cur.fence.uid, "a delete for this incarnation is in flight"))
+        return
+    run.add(DeleteClaimed(cur.fence))
+    mine = [rec for rec in s.vms.values() if rec.fence == cur.fence]
+    for rec in mine:
+        if rec.state != "removing":
+            _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
+    if not mine:
+        if gone:
+            _forget(run, cur)
+        else:
+            _finish_delete(run, cur)
+
+
+def _finish_delete(run: _Run, cur: Incarnation) -> None:
+    """VMs are gone: remove the object as a kubelet does (grace 0, UID precondition)."""
+    if any(isinstance(e, WriteRequested) and e.write.verb == "delete" for e in run.s.outbox.values()):
+        return
+    run.add(WriteRequested(KubeWrite(run.effect_id("delete"), "delete", cur.fence)))
+
+
+def _forget(run: _Run, cur: Incarnation) -> None:
+    if cur.eviction_deferred is not None:
+        # a deferred eviction is resolved by the delete it waited for, and says so
+        run.add(Done(f"eviction:{cur.eviction_deferred}", "resolved_by_delete"))
+    run.add(Forgotten(cur.fence))
+
+
+# ------------------------------------------------------------------------- VM lifecycle (rule 7)
+
+
+def _on_exited(run: _Run, e: VMExited) -> None:
+    s = run.s
+    rec = s.vms.get(e.vm_id)
+    cur = s.cur
+    if rec is None or rec.fence != e.fence:
+        _skip_foreign(run, e.fence, f"exit of {e.vm_id}")
+        return
+    if cur is None or cur.fence != rec.fence or cur.vm_id != e.vm_id or rec.state != "running":
+        return  # an exit while it is being removed/hibernated is expected
+    policy = cur.spec.restart_policy
+    if policy == "Always" or (policy == "OnFailure" and (e.exit_code or 0) != 0):
+        count = cur.restart_count + 1
+        backoff = min(
+            run.env.restart_backoff_base_s * (2 ** (count - 1)), run.env.restart_backoff_max_s
+        )
+        run.add(Restarting(cur.fence, e.vm_id, count, backoff))
+        _event(run, cur.fence, "BackOff", f"VM exited ({e.exit_code}); restart {count} in {backoff:.0f}s")
+        _arm(run, cur.fence, f"restart/{e.vm_id}", backoff)
+        return
+    if (e.exit_code or 0) == 0:
+        run.add(Succeeded(cur.fence))
+    else:
+        run.add(Failed(cur.fence, "VMExited", f"exit code {e.exit_code}"))
+    _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
+
+
+def _on_gone(run: _Run, g: VMGone) -> None:
+    s = run.s
+    rec = s.vms.get(g.vm_id)
+    if rec is None or rec.fence != g.fence:
+        _skip_foreign(run, g.fence, f"vm-gone of {g.vm_id}")
+        return
+    cur = s.cur
+    was_bound = cur is not None and cur.fence == rec.fence and cur.vm_id == g.vm_id and cur.bound
+    run.add(Released(rec.fence, g.vm_id, rec.host, "gone"))
+    if not was_bound or cur is None:
+        _after_release(run)
+        return
+    if s.key.startswith("vm:"):
+        # a VirtualMachine gets exactly one replacement per failure
+        run.add(Restarting(cur.fence, g.vm_id, cur.restart_count + 1, 0.0))
+        _bring_up(run)
+        return
+    if cur.delete_claim:
+        run.add(EvictionDeferred(cur.fence, g.vm_id))
+        _after_release(run)
+        return
+    run.add(EvictionRequested(cur.fence, g.vm_id))
+    run.add(WriteRequested(KubeWrite(run.effect_id("evict"), "evict", cur.fence, message="VM gone")))
+    _event(run, cur.fence, "VMGone", f"VM {g.vm_id} vanished from {g.host}; evicting", warning=True)
+
+
+def _on_probe(run: _Run, p: ProbeChanged) -> None:
+    s = run.s
+    cur = s.cur
+    if cur is None or cur.fence != p.fence or cur.vm_id != p.vm_id or not cur.bound:
+        _skip_foreign(run, p.fence, f"probe of {p.vm_id}")
+        return
+    if cur.ready != p.ready:
+        run.add(ReadyChanged(cur.fence, p.ready))
+
+
+def _skip_foreign(run: _Run, fence: Fence, what: str) -> None:
+    """Rule 4: work reported for a fence that is not current is logged and never applied."""
+    s = run.s
+    if s.is_tombstoned(fence.uid):
+        run.add(Skipped("superseded", fence.uid, what))
+    elif not s.is_current(fence):
+        run.add(Skipped("stale_effect", fence.uid, what))
+
+
+# ---------------------------------------------------------------------- inventory (rule 8)
+
+
+def _on_inventory(run: _Run, i: Inventoried) -> None:
+    s = run.s
+    rec = s.vms.get(i.vm_id)
+    if rec is not None:
+        return
+    cur = s.cur
+    if (
+        cur is not None
+        and cur.fence.uid == i.fence.uid
+        and cur.vm_id in (None, i.vm_id)
+        and not (cur.deleting or cur.hibernated)
+    ):
+        if not s.vms:
+            # ours but unknown to the log (e.g. a lost tail): adopt only after the agent inspects
+            _command(run, "adopt", cur.fence, i.host, i.vm_id, cur.spec)
+            return
+    run.add(Skipped("orphan", i.fence.uid, f"VM {i.vm_id} on {i.host} belongs to no live incarnation"))
+    _command(run, "remove", i.fence, i.host, i.vm_id, None)
+
+
+# ------------------------------------------------------------------ Kubernetes writes (rule 6)
+
+
+def _on_write_done(run: _Run, w: WriteDone) -> None:
+    s = run.s
+    pending = s.outbox.get(w.write_id)
+    if not isinstance(pending, WriteRequested):
+        return
+    run.add(Done(w.write_id, w.outcome))
+    cur = s.cur
+    if cur is None or cur.fence != w.fence:
+        return
+    write = pending.write
+    if w.outcome == "ok":
+        if write.verb == "delete":
+            _forget(run, cur)
+        return
+    if w.outcome == "superseded":
+        run.add(Skipped("superseded_write", cur.fence.uid, f"{write.verb} hit another incarnation"))
+        _request_confirm(run, cur.fence.uid)
+    elif w.outcome == "gone":
+        _delete_path(run, cur, gone=True)
+    else:
+        _arm(run, cur.fence, f"rewrite/{write.verb}", EFFECT_RETRY_S)
+
+
+def _on_timer(run: _Run, t: TimerFired) -> None:
+    s = run.s
+    armed = s.outbox.get(t.timer_id)
+    if not isinstance(armed, TimerArmed):
+        return
+    run.add(Done(t.timer_id, "fired"))
+    purpose = armed.purpose
+    cur = s.cur
+    if purpose.startswith("retry/"):
+        _, op, vm_id = purpose.split("/", 2)
+        rec = s.vms.get(vm_id)
+        if rec is not None and rec.fence == t.fence:
+            _command(run, "remove" if op == "remove" else op, rec.fence, rec.host, vm_id, None)  # type: ignore[arg-type]
+        return
+    if cur is None or cur.fence != t.fence:
+        _skip_foreign(run, t.fence, f"timer {purpose}")
+        return
+    if purpose == "place":
+        _bring_up(run)
+    elif purpose.startswith("restart/"):
+        vm_id = purpose.split("/", 1)[1]
+        rec = s.vms.get(vm_id)
+        if rec is not None and cur.vm_id == vm_id and not cur.deleting:
+            _command(run, "start", cur.fence, rec.host, vm_id, cur.spec)
+    elif purpose.startswith("adopt/"):
+        vm_id = purpose.split("/", 1)[1]
+        rec = s.vms.get(vm_id)
+        if rec is not None and not cur.deleting:
+            _command(run, "adopt", cur.fence, rec.host, vm_id, cur.spec)
+    elif purpose == "rewrite/status":
+        write = KubeWrite(run.effect_id("status"), "status", cur.fence, status=status_of(cur))
+        run.add(WriteRequested(write))
+    elif purpose == "rewrite/delete":
+        _finish_delete(run, cur)
+    elif purpose == "rewrite/evict" and cur.evicting and not cur.delete_claim:
+        run.add(WriteRequested(KubeWrite(run.effect_id("evict"), "evict", cur.fence, message="VM gone")))
+    elif purpose == "confirm":
+        _request_confirm(run, cur.fence.uid)
+
+
+# ------------------------------------------------------------------- hibernation (rule 10)
+
+
+def _hibernate(run: _Run, cur: Incarnation) -> None:
+    rec = run.s.vms.get(cur.vm_id or "")
+    if rec is None or rec.state != "running" or not cur.bound or cur.deleting:
+        return
+    _command(run, "hibernate", cur.fence, rec.host, rec.vm_id, cur.spec)
+
+
+def _wake(run: _Run, cur: Incarnation) -> None:
+    """Waking restores from the snapshot in the log — never a blank VM."""
+    s = run.s
+    if not cur.hibernated or cur.snapshot is None or cur.deleting or cur.spec.hibernate:
+        return
+    if any(rec for rec in s.vms.values()):
+        return
+    host = cur.snapshot_host or _place(run.env, cur.spec)
+    if host is None:
+        _arm(run, cur.fence, "place", PLACE_RETRY_S)
+        return
+    vm_id = cur.vm_id or _vm_name(s.key, cur.fence.uid, cur.gen + 1)
+    cmd = Command(
+        id=run.effect_id(cur.fence.uid, cur.fence.epoch, "wake", vm_id),
+        op="wake",
+        fence=cur.fence,
+        host=host,
+        vm_id=vm_id,
+        spec=cur.spec,
+        snapshot=cur.snapshot,
+    )
+    run.add(Commanded(cmd))
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _command(
+    run: _Run, op: CommandOp, fence: Fence, host: str, vm_id: str, spec: Spec | None
+) -> None:
+    cmd = Command(
+        id=run.effect_id(fence.uid, fence.epoch, op, vm_id),
+        op=op,
+        fence=fence,
+        host=host,
+        vm_id=vm_id,
+        spec=spec or Spec(),
+    )
+    run.add(Commanded(cmd))
+
+
+def _arm(run: _Run, fence: Fence, purpose: str, delay_s: float) -> None:
+    run.add(TimerArmed(fence, run.effect_id("timer", purpose), delay_s, purpose))
+
+
+def _timer_purpose(e: object) -> str | None:
+    return e.purpose if isinstance(e, TimerArmed) else None
+
+
+def _event(run: _Run, fence: Fence, reason: str, message: str, *, warning: bool = False) -> None:
+    write = KubeWrite(
+        run.effect_id("event"),
+        "event",
+        fence,
+        event_reason=reason,
+        event_type="Warning" if warning else "Normal",
+        message=message,
+    )
+    run.add(WriteRequested(write))
+
+
+def status_of(cur: Incarnation) -> PodStatusIntent:
+    """The status a pod (or VirtualMachine) should show, derived from its incarnation."""
+    reason: str | None = None
+    if cur.invalid is not None:
+        reason = "InvalidSpec"
+    elif cur.hibernated:
+        reason = "Hibernated"
+    return PodStatusIntent(
+        phase=cur.phase,
+        ready=cur.ready and cur.bound,
+        reason=reason,
+        message=cur.invalid,
+        vm_id=cur.vm_id if (cur.bound or cur.hibernated) else None,
+        host=cur.host if cur.bound else None,
+        ip=cur.ip if cur.bound else None,
+        vnc_port=cur.vnc_port if cur.bound else None,
+        restart_count=cur.restart_count,
+        hibernated=cur.hibernated,
+        invalid=cur.invalid,
+    )
+
+
+def _sync_status(run: _Run) -> None:
+    cur = run.s.cur
+    if cur is None or cur.delete_claim:
+        return
+    if cur.phase == "Pending" and not cur.invalid and not cur.hibernated:
+        return  # nothing worth writing until the VM is up
+    want = status_of(cur)
+    if cur.status == want:
+        return
+    run.add(WriteRequested(KubeWrite(run.effect_id("status"), "status", cur.fence, status=want)))

@@ -1,0 +1,429 @@
+"""Every message and record vmfence puts on the bus or in the log, as msgspec tagged unions.
+
+Three families travel: *inputs* (on VMFENCE_IN: observations, agent reports, effect outcomes,
+timer firings), *log entries* (on VMFENCE_LOG: the decisions one input produced) and *commands*
+(on VMFENCE_CMD: work for one host's agent). Each carries ``v``, the schema version, so a reader
+can refuse what it does not understand instead of misreading it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+RestartPolicy = Literal["Always", "OnFailure", "Never"]
+RecreatePolicy = Literal["replace", "adopt"]
+Phase = Literal["Pending", "Running", "Succeeded", "Failed"]
+
+
+class Fence(msgspec.Struct, frozen=True, array_like=True):
+    """The identity every effect carries: which incarnation, under which epoch."""
+
+    key: str
+    uid: str
+    epoch: int
+
+    def older_than(self, other: Fence) -> bool:
+        return self.epoch < other.epoch
+
+
+class Spec(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the user asked for, already validated (see shared.spec)."""
+
+    cpus: int = 1
+    memory_mib: int = 128
+    image: str | None = None
+    restart_policy: RestartPolicy = "Always"
+    hibernate: bool = False
+    on_recreate: RecreatePolicy = "replace"
+    probe_port: int | None = None
+    host_selector: str | None = None
+
+
+# --------------------------------------------------------------------------------------- inputs
+
+
+class Observed(msgspec.Struct, tag="observed", frozen=True, omit_defaults=True):
+    """The watcher saw the object (watch event or list item) — possibly from a lagging cache."""
+
+    key: str
+    uid: str
+    resource_version: int
+    deleting: bool = False
+    gone: bool = False  # a DELETED watch event
+    spec: Spec = Spec()
+    invalid: str | None = None  # why the annotations/spec were rejected, if they were
+    node: str | None = None
+    v: int = SCHEMA_VERSION
+
+
+class ConfirmedRead(msgspec.Struct, tag="confirmed", frozen=True, omit_defaults=True):
+    """A consistent read (GET without resourceVersion) of the key: the only source that may
+    supersede an incarnation."""
+
+    key: str
+    request: str
+    uid: str | None  # None: the object does not exist
+    resource_version: int = 0
+    deleting: bool = False
+    spec: Spec = Spec()
+    invalid: str | None = None
+    v: int = SCHEMA_VERSION
+
+
+class CommandResult(msgspec.Struct, tag="result", frozen=True, omit_defaults=True):
+    """An agent's answer to one command, stored in its ledger by command id."""
+
+    fence: Fence
+    command_id: str
+    op: str
+    host: str
+    vm_id: str
+    outcome: Literal["ok", "failed", "fenced", "not_found", "inconclusive"]
+    error: str | None = None
+    ip: str | None = None
+    vnc_port: int | None = None
+    snapshot: str | None = None
+    v: int = SCHEMA_VERSION
+
+
+class VMExited(msgspec.Struct, tag="vm_exited", frozen=True, omit_defaults=True):
+    fence: Fence
+    host: str
+    vm_id: str
+    exit_code: int | None = None
+    v: int = SCHEMA_VERSION
+
+
+class VMGone(msgspec.Struct, tag="vm_gone", frozen=True, omit_defaults=True):
+    """The runtime no longer knows the VM."""
+
+    fence: Fence
+    host: str
+    vm_id: str
+    v: int = SCHEMA_VERSION
+
+
+class ProbeChanged(msgspec.Struct, tag="probe", frozen=True, omit_defaults=True):
+    fence: Fence
+    host: str
+    vm_id: str
+    ready: bool
+    v: int = SCHEMA_VERSION
+
+
+class Inventoried(msgspec.Struct, tag="inventory", frozen=True, omit_defaults=True):
+    """One VM an agent has, with the fence that owns it in the agent's ledger."""
+
+    fence: Fence
+    host: str
+    vm_id: str
+    state: str
+    round: str = ""
+    v: int = SCHEMA_VERSION
+
+
+class WriteDone(msgspec.Struct, tag="write_done", frozen=True, omit_defaults=True):
+    """Outcome of one Kubernetes write the reconciler made for a decision (rule 6 vocabulary)."""
+
+    fence: Fence
+    write_id: str
+    outcome: Literal["ok", "superseded", "gone", "failed"]
+    detail: str | None = None
+    v: int = SCHEMA_VERSION
+
+
+class TimerFired(msgspec.Struct, tag="timer", frozen=True, omit_defaults=True):
+    """A timer armed by a decision came due. Timers only ever trigger re-checks (rule 12)."""
+
+    fence: Fence
+    timer_id: str
+    v: int = SCHEMA_VERSION
+
+
+Input = (
+    Observed
+    | ConfirmedRead
+    | CommandResult
+    | VMExited
+    | VMGone
+    | ProbeChanged
+    | Inventoried
+    | WriteDone
+    | TimerFired
+)
+
+# ------------------------------------------------------------------------------------- commands
+
+CommandOp = Literal["create", "start", "remove", "hibernate", "wake", "adopt", "inspect"]
+
+
+class Command(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Work for one host. ``id`` is deterministic so a redelivery is answered from the ledger."""
+
+    id: str
+    op: CommandOp
+    fence: Fence
+    host: str
+    vm_id: str
+    spec: Spec = Spec()
+    snapshot: str | None = None
+    v: int = SCHEMA_VERSION
+
+
+# --------------------------------------------------------------------------------- k8s writes
+
+
+class PodStatusIntent(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The status (and runtime annotations) vmfence wants the object to have. Recorded in the log
+    *before* it is written, and re-applied to a fresh object on a resourceVersion conflict."""
+
+    phase: Phase
+    ready: bool = False
+    reason: str | None = None
+    message: str | None = None
+    vm_id: str | None = None
+    host: str | None = None
+    ip: str | None = None
+    vnc_port: int | None = None
+    restart_count: int = 0
+    hibernated: bool = False
+    invalid: str | None = None
+
+
+WriteVerb = Literal["status", "evict", "delete", "event"]
+
+
+class KubeWrite(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One Kubernetes write; every one carries the incarnation's uid as its precondition."""
+
+    id: str
+    verb: WriteVerb
+    fence: Fence
+    status: PodStatusIntent | None = None
+    event_reason: str | None = None
+    event_type: Literal["Normal", "Warning"] = "Normal"
+    message: str | None = None
+
+
+# ------------------------------------------------------------------------------------ decisions
+
+
+class ConfirmRequested(msgspec.Struct, tag="confirm_requested", frozen=True):
+    request: str
+    seen_uid: str
+
+
+class Admitted(msgspec.Struct, tag="admitted", frozen=True):
+    fence: Fence
+    spec: Spec
+    invalid: str | None = None
+    resource_version: int = 0
+
+
+class Superseded(msgspec.Struct, tag="superseded", frozen=True):
+    """The old incarnation is tombstoned; nothing for it is ever applied again."""
+
+    fence: Fence
+    by_uid: str | None  # None: the object is gone
+
+
+class Placed(msgspec.Struct, tag="placed", frozen=True):
+    fence: Fence
+    vm_id: str
+    host: str
+
+
+class Commanded(msgspec.Struct, tag="commanded", frozen=True):
+    command: Command
+
+
+class Bound(msgspec.Struct, tag="bound", frozen=True):
+    fence: Fence
+    vm_id: str
+    host: str
+    command_id: str
+    ip: str | None = None
+    vnc_port: int | None = None
+
+
+class Released(msgspec.Struct, tag="released", frozen=True):
+    """A VM is no longer anyone's: removed, lost, or hibernated away."""
+
+    fence: Fence
+    vm_id: str
+    host: str
+    reason: str
+    command_id: str | None = None
+
+
+class DeleteClaimed(msgspec.Struct, tag="delete_claimed", frozen=True):
+    fence: Fence
+
+
+class EvictionRequested(msgspec.Struct, tag="eviction_requested", frozen=True):
+    fence: Fence
+    vm_id: str
+
+
+class EvictionDeferred(msgspec.Struct, tag="eviction_deferred", frozen=True):
+    fence: Fence
+    vm_id: str
+
+
+class WriteRequested(msgspec.Struct, tag="write_requested", frozen=True):
+    write: KubeWrite
+
+
+class Hibernated(msgspec.Struct, tag="hibernated", frozen=True):
+    fence: Fence
+    vm_id: str
+    host: str
+    snapshot: str
+
+
+class Restarting(msgspec.Struct, tag="restarting", frozen=True):
+    fence: Fence
+    vm_id: str
+    restart_count: int
+    backoff_s: float
+
+
+class Failed(msgspec.Struct, tag="failed", frozen=True):
+    fence: Fence
+    reason: str
+    message: str = ""
+
+
+class Succeeded(msgspec.Struct, tag="succeeded", frozen=True):
+    fence: Fence
+
+
+class ReadyChanged(msgspec.Struct, tag="ready_changed", frozen=True):
+    fence: Fence
+    ready: bool
+
+
+class SpecChanged(msgspec.Struct, tag="spec_changed", frozen=True):
+    fence: Fence
+    spec: Spec
+    resource_version: int
+
+
+class TimerArmed(msgspec.Struct, tag="timer_armed", frozen=True):
+    fence: Fence
+    timer_id: str
+    delay_s: float
+    purpose: str
+
+
+class Done(msgspec.Struct, tag="done", frozen=True):
+    """An effect (command, write, confirm, timer) is finished and leaves the outbox."""
+
+    effect_id: str
+    outcome: str
+
+
+class Forgotten(msgspec.Struct, tag="forgotten", frozen=True):
+    """The incarnation ended (object gone, its VMs released): the key is idle."""
+
+    fence: Fence
+
+
+class Skipped(msgspec.Struct, tag="skipped", frozen=True):
+    """An input that was not applied, logged because an auditor needs to see it."""
+
+    reason: str
+    uid: str | None = None
+    detail: str = ""
+
+
+class Rebuilt(msgspec.Struct, tag="rebuilt", frozen=True):
+    """The log was found behind reality (e.g. a lost tail); state re-derived from Kubernetes and
+    agent inventories. The auditor treats what precedes it as possibly incomplete."""
+
+    reason: str
+
+
+Decision = (
+    ConfirmRequested
+    | Admitted
+    | Superseded
+    | Placed
+    | Commanded
+    | Bound
+    | Released
+    | DeleteClaimed
+    | EvictionRequested
+    | EvictionDeferred
+    | WriteRequested
+    | Hibernated
+    | Restarting
+    | Failed
+    | Succeeded
+    | ReadyChanged
+    | SpecChanged
+    | TimerArmed
+    | Done
+    | Forgotten
+    | Skipped
+    | Rebuilt
+)
+
+
+class LogEntry(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One append to a key's log: everything one input decided, atomically.
+
+    ``n`` counts entries of this key from 1 with no gap; the Msg-Id is ``<key>#<n>`` so a benign
+    retry of the same append is recognised.
+    """
+
+    key: str
+    n: int
+    decisions: list[Decision]
+    input: str = ""  # short description of the input that caused it (kind and id)
+    writer: str = ""
+    v: int = SCHEMA_VERSION
+
+
+class DeadLetter(msgspec.Struct, frozen=True):
+    reason: str
+    subject: str
+    data: bytes
+    source: str
+    v: int = SCHEMA_VERSION
+
+
+# ------------------------------------------------------------------------------------ encoders
+
+_json_encoder = msgspec.json.Encoder()
+_input_decoder = msgspec.json.Decoder(Input)
+_entry_decoder = msgspec.json.Decoder(LogEntry)
+_command_decoder = msgspec.json.Decoder(Command)
+
+
+def encode(obj: msgspec.Struct) -> bytes:
+    return _json_encoder.encode(obj)
+
+
+def decode_input(data: bytes) -> Input:
+    return _input_decoder.decode(data)
+
+
+def decode_entry(data: bytes) -> LogEntry:
+    return _entry_decoder.decode(data)
+
+
+def decode_command(data: bytes) -> Command:
+    return _command_decoder.decode(data)
+
+
+def entry_msg_id(key: str, n: int) -> str:
+    return f"{key}#{n}"
+
+
+def decision_name(d: Decision) -> str:
+    return type(d).__struct_config__.tag  # type: ignore[return-value]

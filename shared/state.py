@@ -1,0 +1,252 @@
+"""Per-key state and ``fold``: the one way a decision changes it.
+
+The reconciler, the audit and the tests all fold the same decisions with this function, so a
+replayed log re-derives exactly the state its writer had. ``fold`` is total and pure: it never
+rejects a decision (that is the audit's job) and never looks at anything but its arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from shared.schema import (
+    Admitted,
+    Bound,
+    Commanded,
+    ConfirmRequested,
+    Decision,
+    DeleteClaimed,
+    Done,
+    EvictionDeferred,
+    EvictionRequested,
+    Failed,
+    Fence,
+    Forgotten,
+    Hibernated,
+    Phase,
+    Placed,
+    PodStatusIntent,
+    ReadyChanged,
+    Rebuilt,
+    Released,
+    Restarting,
+    Skipped,
+    Spec,
+    SpecChanged,
+    Succeeded,
+    Superseded,
+    TimerArmed,
+    WriteRequested,
+)
+
+# How many superseded UIDs a key remembers. UIDs are never reused by Kubernetes, so an input for an
+# incarnation older than this many generations is also caught by the epoch/uid checks that follow;
+# the bound keeps an often-recreated key's state small.
+TOMBSTONE_LIMIT = 64
+
+VMState = Literal["creating", "running", "exited", "removing", "hibernating", "waking", "adopting"]
+
+Effect = Commanded | WriteRequested | ConfirmRequested | TimerArmed
+
+
+class VMRec(msgspec.Struct, omit_defaults=True):
+    """A VM this key has (or may have) somewhere, and the fence that owns it."""
+
+    vm_id: str
+    host: str
+    fence: Fence
+    state: VMState
+
+
+class Incarnation(msgspec.Struct, omit_defaults=True):
+    """The current incarnation of a key: the only one anything may be applied to."""
+
+    fence: Fence
+    spec: Spec
+    rv: int = 0
+    invalid: str | None = None
+    phase: Phase = "Pending"
+    deleting: bool = False
+    delete_claim: bool = False
+    vm_id: str | None = None  # the VM made (or being made) for this incarnation
+    bound: bool = False
+    host: str | None = None
+    ip: str | None = None
+    vnc_port: int | None = None
+    gen: int = 0
+    restart_count: int = 0
+    ready: bool = False
+    eviction_deferred: str | None = None
+    evicting: bool = False
+    snapshot: str | None = None
+    snapshot_host: str | None = None
+    hibernated: bool = False
+    status: PodStatusIntent | None = None  # the last status requested
+
+
+class KeyState(msgspec.Struct, omit_defaults=True):
+    key: str
+    n: int = 0  # entries folded so far (the next append is n + 1)
+    epoch: int = 0
+    cur: Incarnation | None = None
+    tombstones: list[str] = msgspec.field(default_factory=list)
+    vms: dict[str, VMRec] = msgspec.field(default_factory=dict)
+    outbox: dict[str, Effect] = msgspec.field(default_factory=dict)
+
+    def is_tombstoned(self, uid: str) -> bool:
+        return uid in self.tombstones
+
+    def is_current(self, fence: Fence) -> bool:
+        return self.cur is not None and self.cur.fence == fence
+
+    def live_vms(self) -> list[VMRec]:
+        return list(self.vms.values())
+
+
+def _tombstone(s: KeyState, uid: str) -> None:
+    if uid not in s.tombstones:
+        s.tombstones.append(uid)
+        if len(s.tombstones) > TOMBSTONE_LIMIT:
+            del s.tombstones[0 : len(s.tombstones) - TOMBSTONE_LIMIT]
+
+
+def _cur_for(s: KeyState, fence: Fence) -> Incarnation | None:
+    return s.cur if s.cur is not None and s.cur.fence == fence else None
+
+
+def fold(s: KeyState, d: Decision) -> KeyState:
+    """Apply one decision to ``s`` in place and return it."""
+    match d:
+        case ConfirmRequested(request=req):
+            s.outbox[req] = d
+        case Admitted(fence=f, spec=spec, invalid=invalid, resource_version=rv):
+            s.epoch = max(s.epoch, f.epoch)
+            s.cur = Incarnation(fence=f, spec=spec, invalid=invalid, rv=rv)
+        case Superseded(fence=f):
+            _tombstone(s, f.uid)
+            if s.cur is not None and s.cur.fence.uid == f.uid:
+                s.cur = None
+        case Placed(fence=f, vm_id=vm_id, host=host):
+            s.vms[vm_id] = VMRec(vm_id=vm_id, host=host, fence=f, state="creating")
+            if (c := _cur_for(s, f)) is not None:
+                c.vm_id, c.host, c.bound, c.gen = vm_id, host, False, c.gen + 1
+        case Commanded(command=cmd):
+            s.outbox[cmd.id] = d
+            rec = s.vms.get(cmd.vm_id)
+            if rec is not None:
+                if cmd.op == "remove":
+                    rec.state = "removing"
+                elif cmd.op == "hibernate":
+                    rec.state = "hibernating"
+                elif cmd.op == "adopt":
+                    rec.state = "adopting"
+                elif cmd.op in ("start", "wake"):
+                    rec.state = "waking" if cmd.op == "wake" else "creating"
+            elif cmd.op == "wake":
+                s.vms[cmd.vm_id] = VMRec(cmd.vm_id, cmd.host, cmd.fence, "waking")
+            elif cmd.op == "remove":
+                s.vms[cmd.vm_id] = VMRec(cmd.vm_id, cmd.host, cmd.fence, "removing")
+            elif cmd.op == "adopt":
+                s.vms[cmd.vm_id] = VMRec(cmd.vm_id, cmd.host, cmd.fence, "adopting")
+        case Bound(fence=f, vm_id=vm_id, host=host, ip=ip, vnc_port=vnc):
+            rec = s.vms.get(vm_id)
+            if rec is None:
+                rec = s.vms[vm_id] = VMRec(vm_id, host, f, "running")
+            rec.fence, rec.state, rec.host = f, "running", host
+            if (c := _cur_for(s, f)) is not None:
+                c.vm_id, c.host, c.bound, c.ip, c.vnc_port = vm_id, host, True, ip, vnc
+                c.phase = "Running"
+                c.hibernated = False
+                c.snapshot = c.snapshot_host = None
+        case Released(fence=f, vm_id=vm_id):
+            s.vms.pop(vm_id, None)
+            if (c := _cur_for(s, f)) is not None and c.vm_id == vm_id:
+                c.bound, c.ready = False, False
+                if not c.hibernated:
+                    c.vm_id = None
+        case DeleteClaimed(fence=f):
+            if (c := _cur_for(s, f)) is not None:
+                c.delete_claim, c.deleting = True, True
+        case EvictionRequested(fence=f):
+            if (c := _cur_for(s, f)) is not None:
+                c.evicting = True
+                c.eviction_deferred = None
+        case EvictionDeferred(fence=f, vm_id=vm_id):
+            if (c := _cur_for(s, f)) is not None:
+                c.eviction_deferred = vm_id
+        case WriteRequested(write=w):
+            if w.verb != "event":
+                s.outbox[w.id] = d
+            if w.verb == "status" and (c := _cur_for(s, w.fence)) is not None:
+                c.status = w.status
+        case Hibernated(fence=f, vm_id=vm_id, host=host, snapshot=snap):
+            s.vms.pop(vm_id, None)
+            if (c := _cur_for(s, f)) is not None:
+                c.hibernated, c.snapshot, c.snapshot_host = True, snap, host
+                c.bound, c.ready = False, False
+        case Restarting(fence=f, restart_count=count):
+            if (c := _cur_for(s, f)) is not None:
+                c.restart_count, c.ready = count, False
+                if c.vm_id in s.vms:
+                    s.vms[c.vm_id].state = "exited"
+        case Failed(fence=f):
+            if (c := _cur_for(s, f)) is not None:
+                c.phase, c.ready = "Failed", False
+        case Succeeded(fence=f):
+            if (c := _cur_for(s, f)) is not None:
+                c.phase, c.ready = "Succeeded", False
+        case ReadyChanged(fence=f, ready=ready):
+            if (c := _cur_for(s, f)) is not None:
+                c.ready = ready
+        case SpecChanged(fence=f, spec=spec, resource_version=rv):
+            if (c := _cur_for(s, f)) is not None:
+                c.spec, c.rv = spec, rv
+        case TimerArmed(timer_id=tid):
+            s.outbox[tid] = d
+        case Done(effect_id=eid):
+            s.outbox.pop(eid, None)
+        case Forgotten(fence=f):
+            _tombstone(s, f.uid)
+            if s.cur is not None and s.cur.fence.uid == f.uid:
+                s.cur = None
+            # effects of the forgotten incarnation can no longer matter
+            for eid, eff in list(s.outbox.items()):
+                if _effect_fence(eff) == f and not (
+                    isinstance(eff, Commanded) and eff.command.op == "remove"
+                ):
+                    del s.outbox[eid]
+        case Skipped() | Rebuilt():
+            pass
+    return s
+
+
+def _effect_fence(eff: Effect) -> Fence | None:
+    match eff:
+        case Commanded(command=c):
+            return c.fence
+        case WriteRequested(write=w):
+            return w.fence
+        case TimerArmed(fence=f):
+            return f
+        case ConfirmRequested():
+            return None
+
+
+def fold_all(s: KeyState, decisions: list[Decision]) -> KeyState:
+    for d in decisions:
+        fold(s, d)
+    return s
+
+
+_state_encoder = msgspec.msgpack.Encoder()
+_state_decoder = msgspec.msgpack.Decoder(KeyState)
+
+
+def encode_state(s: KeyState) -> bytes:
+    return _state_encoder.encode(s)
+
+
+def decode_state(data: bytes) -> KeyState:
+    return _state_decoder.decode(data)
