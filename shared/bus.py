@@ -505,6 +505,7 @@ async def fenced_append(
             last_error = exc
         except (TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError) as exc:
             last_error = exc  # maybe landed: the retry's Msg-Id/expected-seq resolves it
+        log.debug("append to %s: retry %d after %r", subject, attempt + 1, last_error)
         await asyncio.sleep(backoff_delay(attempt))
     raise AppendFailed(
         f"append to {subject} unconfirmed after {APPEND_MAX_ATTEMPTS} attempts: {last_error!r}"
