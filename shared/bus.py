@@ -359,7 +359,9 @@ async def read_stream(
     """Every stored message (optionally filtered) from start_seq in order, fast, for replay/export.
 
     Stops at until_seq, or at the stream's last sequence when the call starts. Uses an ephemeral
-    AckNone pull consumer and keeps one batch request in flight ahead of the reader.
+    AckNone pull consumer and keeps one batch request in flight ahead of the reader. Wrap it in
+    ``contextlib.aclosing`` when breaking out early so the consumer is deleted at once (it would
+    otherwise expire after READ_CONSUMER_IDLE_S).
     """
     info = await js.stream_info(stream)
     last = info.state.last_seq if until_seq is None else min(until_seq, info.state.last_seq)
