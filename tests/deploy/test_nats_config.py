@@ -1,0 +1,409 @@
+"""The NATS configuration compose.yaml runs is accepted by a real nats-server, and its subject
+permissions hold: each service's user can do its job and nothing that belongs to another.
+
+A single-node variant of nats-1.conf (cluster block removed, loopback port, temporary store) is
+started with the very same deploy/nats/accounts.conf, and nats-py clients log in as the services.
+Denials are asserted on the server's "permissions violation" error, not on a timeout alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+import nats.errors
+import nats.js.errors
+import pytest
+import yaml
+from nats.js.api import RetentionPolicy, StreamConfig
+
+from .conftest import NATS_DIR, NATS_PASSWORD_ENV, REPO, find_tool
+
+NATS_SERVER = find_tool("nats-server")
+pytestmark = pytest.mark.skipif(NATS_SERVER is None, reason="nats-server binary not installed")
+
+NODE_CONFS = [NATS_DIR / f"nats-{n}.conf" for n in (1, 2, 3)]
+
+
+def _server_env() -> dict[str, str]:
+    return {**os.environ, **NATS_PASSWORD_ENV}
+
+
+# --------------------------------------------------------------------------------------------
+# syntax: every node configuration compose.yaml mounts
+
+
+def test_compose_mounts_the_node_configs() -> None:
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    mounted: set[str] = set()
+    for n in (1, 2, 3):
+        svc = compose["services"][f"nats-{n}"]
+        cmd = " ".join(svc["command"]) if isinstance(svc["command"], list) else svc["command"]
+        conf = re.search(r"-c\s+(\S+)", cmd)
+        assert conf, f"nats-{n} must start with -c <conf>"
+        for vol in svc["volumes"]:
+            src, _, rest = (vol if isinstance(vol, str) else f"{vol['source']}:{vol['target']}").partition(
+                ":"
+            )
+            target = rest.split(":")[0]
+            if src.startswith("./deploy/nats") and conf.group(1).startswith(target):
+                mounted.add(f"nats-{n}")
+                assert (REPO / src / Path(conf.group(1)).relative_to(target)).is_file()
+    assert mounted == {"nats-1", "nats-2", "nats-3"}
+
+
+@pytest.mark.parametrize("conf", NODE_CONFS, ids=lambda p: p.name)
+def test_node_config_syntax(conf: Path) -> None:
+    res = subprocess.run(
+        [NATS_SERVER, "-c", str(conf), "-t"], env=_server_env(), capture_output=True, text=True, timeout=20
+    )
+    assert res.returncode == 0, res.stderr + res.stdout
+    text = conf.read_text()
+    assert re.search(r"sync_interval:\s*always", text), "JetStream must fsync before acknowledging"
+    assert "include ./accounts.conf" in text
+    for n in (1, 2, 3):
+        assert f"nats-{n}:6222" in text, "every node routes to all three"
+
+
+def test_node_config_refuses_to_start_without_passwords() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMFENCE_NATS_")}
+    res = subprocess.run(
+        [NATS_SERVER, "-c", str(NODE_CONFS[0]), "-t"], env=env, capture_output=True, text=True, timeout=20
+    )
+    assert res.returncode != 0
+    assert "VMFENCE_NATS_" in (res.stderr + res.stdout)
+
+
+# --------------------------------------------------------------------------------------------
+# a running single-node server with the same users and permissions
+
+
+def _strip_block(text: str, name: str) -> str:
+    m = re.search(rf"^{name}\s*\{{", text, re.M)
+    assert m, f"no {name} block"
+    depth, i = 0, m.end() - 1
+    while True:
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[: m.start()] + text[i + 1 :]
+        i += 1
+
+
+def single_node_config(workdir: Path, port: int, http_port: int) -> str:
+    """nats-1.conf with the cluster block removed, loopback ports, a temporary store, and the
+    include pointing (relatively: nats-server only resolves relative includes) at the repository's
+    deploy/nats/accounts.conf itself."""
+    text = _strip_block(NODE_CONFS[0].read_text(), "cluster")
+    text = re.sub(r"^listen:.*$", f"listen: 127.0.0.1:{port}", text, flags=re.M)
+    text = re.sub(r"^http:.*$", f"http: 127.0.0.1:{http_port}", text, flags=re.M)
+    text = re.sub(r"store_dir:.*$", f"store_dir: {workdir / 'js'}", text, flags=re.M)
+    text = re.sub(r"max_file_store:.*$", "max_file_store: 256MB", text, flags=re.M)
+    rel = os.path.relpath(NATS_DIR / "accounts.conf", workdir)
+    text = text.replace("include ./accounts.conf", f"include {rel}")
+    assert "cluster" not in re.sub(r"#.*", "", text)
+    return text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    workdir = tmp_path_factory.mktemp("nats")
+    port, http_port = _free_port(), _free_port()
+    conf = workdir / "single.conf"
+    conf.write_text(single_node_config(workdir, port, http_port))
+    log = (workdir / "server.log").open("w")
+    proc = subprocess.Popen([NATS_SERVER, "-c", str(conf)], env=_server_env(), stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError("nats-server exited:\n" + (workdir / "server.log").read_text())
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        url = f"nats://127.0.0.1:{port}"
+        asyncio.run(_provision(url))
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+async def _provision(url: str) -> None:
+    """The reconciler's own provisioning: streams and buckets (proves it may create them)."""
+    nc = await nats.connect(
+        url, user="reconciler", password=NATS_PASSWORD_ENV["VMFENCE_NATS_RECONCILER_PASSWORD"]
+    )
+    try:
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name="VMFENCE_IN", subjects=["vmfence.in.>"]))
+        await js.add_stream(StreamConfig(name="VMFENCE_LOG", subjects=["vmfence.log.>"], allow_direct=True))
+        await js.add_stream(
+            StreamConfig(name="VMFENCE_CMD", subjects=["vmfence.cmd.>"], retention=RetentionPolicy.WORK_QUEUE)
+        )
+        await js.add_stream(StreamConfig(name="VMFENCE_DLQ", subjects=["vmfence.dlq.>"]))
+        await js.create_key_value(bucket="vmfence_leases", ttl=30)
+        await js.create_key_value(bucket="vmfence_hosts", ttl=30)
+        # one command for each agent host
+        for host in ("host-a", "host-b"):
+            ack = await js.publish(
+                f"vmfence.cmd.{host}", f"start vm for {host}".encode(), stream="VMFENCE_CMD"
+            )
+            assert ack.stream == "VMFENCE_CMD"
+    finally:
+        await nc.close()
+
+
+@dataclass
+class Client:
+    nc: nats.NATS
+    errors: list[Exception] = field(default_factory=list)
+
+    def violations(self) -> list[str]:
+        return [str(e) for e in self.errors if "permissions violation" in str(e).lower()]
+
+    async def wait_violation(self, subject: str, within: float = 2.0) -> str:
+        """Wait for the server's permissions violation naming `subject` (it arrives asynchronously)."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            for v in self.violations():
+                if f'"{subject.lower()}"' in v.lower():
+                    return v
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no permissions violation for {subject!r}; errors: {self.errors!r}")
+
+
+USERS = {
+    "watcher": "VMFENCE_NATS_WATCHER_PASSWORD",
+    "reconciler": "VMFENCE_NATS_RECONCILER_PASSWORD",
+    "agent-host-a": "VMFENCE_NATS_AGENT_HOST_A_PASSWORD",
+    "agent-host-b": "VMFENCE_NATS_AGENT_HOST_B_PASSWORD",
+    "audit": "VMFENCE_NATS_AUDIT_PASSWORD",
+    "admin": "VMFENCE_NATS_ADMIN_PASSWORD",
+}
+
+
+async def connect(url: str, user: str) -> Client:
+    client = Client(nc=None)  # type: ignore[arg-type]
+
+    async def on_error(e: Exception) -> None:
+        client.errors.append(e)
+
+    client.nc = await nats.connect(
+        url,
+        user=user,
+        password=NATS_PASSWORD_ENV[USERS[user]],
+        error_cb=on_error,
+        allow_reconnect=False,
+    )
+    return client
+
+
+async def _pending(url: str, host: str) -> int:
+    """Messages still waiting in VMFENCE_CMD for a host (read as admin)."""
+    admin = await connect(url, "admin")
+    try:
+        info = await admin.nc.jetstream().stream_info("VMFENCE_CMD", subjects_filter=f"vmfence.cmd.{host}")
+        return int((info.state.subjects or {}).get(f"vmfence.cmd.{host}", 0))
+    finally:
+        await admin.nc.close()
+
+
+async def test_wrong_password_is_refused(nats_url: str) -> None:
+    with pytest.raises(nats.errors.Error):
+        await nats.connect(
+            nats_url,
+            user="agent-host-a",
+            password="wrong",
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            connect_timeout=2,
+        )
+
+
+async def test_agent_consumes_only_its_own_commands(nats_url: str) -> None:
+    agent = await connect(nats_url, "agent-host-a")
+    try:
+        js = agent.nc.jetstream(timeout=1.0)
+
+        # A create request on its own (permitted) subject whose body filters another host's
+        # commands: the server compares the body's filter with the subject's and refuses.
+        raw = await agent.nc.request(
+            "$JS.API.CONSUMER.CREATE.VMFENCE_CMD.agent-host-a.vmfence.cmd.host-a",
+            (
+                b'{"stream_name":"VMFENCE_CMD","config":{"name":"agent-host-a","durable_name":"agent-host-a",'
+                b'"filter_subject":"vmfence.cmd.host-b","ack_policy":"explicit"}}'
+            ),
+            timeout=2,
+        )
+        assert b'"error"' in raw.data, raw.data
+        assert not agent.violations()
+
+        # its own durable, its own host: works, and acks are permitted
+        sub = await js.pull_subscribe("vmfence.cmd.host-a", durable="agent-host-a", stream="VMFENCE_CMD")
+        msgs = await sub.fetch(1, timeout=2)
+        assert [m.data for m in msgs] == [b"start vm for host-a"]
+        await msgs[0].ack_sync(timeout=2)
+        assert not agent.violations(), agent.errors
+        assert await _pending(nats_url, "host-a") == 0
+
+        # another host's durable: neither inspecting, creating nor pulling from it is permitted
+        with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
+            await js.pull_subscribe("vmfence.cmd.host-b", durable="agent-host-b", stream="VMFENCE_CMD")
+        await agent.wait_violation("$JS.API.CONSUMER.INFO.VMFENCE_CMD.agent-host-b")
+        bound = await js.pull_subscribe_bind(durable="agent-host-b", stream="VMFENCE_CMD")
+        with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
+            await bound.fetch(1, timeout=1)
+        await agent.wait_violation("$JS.API.CONSUMER.MSG.NEXT.VMFENCE_CMD.agent-host-b")
+        # and the old-style durable create is not permitted either
+        await agent.nc.publish("$JS.API.CONSUMER.DURABLE.CREATE.VMFENCE_CMD.agent-host-b", b"{}")
+        await agent.wait_violation("$JS.API.CONSUMER.DURABLE.CREATE.VMFENCE_CMD.agent-host-b")
+        assert await _pending(nats_url, "host-b") == 1, "host-b's command must still be waiting for host-b"
+    finally:
+        await agent.nc.close()
+
+
+async def test_agent_cannot_publish_commands_or_log(nats_url: str) -> None:
+    agent = await connect(nats_url, "agent-host-a")
+    try:
+        for subject in (
+            "vmfence.cmd.host-b",
+            "vmfence.cmd.host-a",
+            "vmfence.log.3.default.web-0",
+            "vmfence.in.3.pod.default.web-0",
+            "$KV.vmfence_leases.3",
+            "$KV.vmfence_hosts.host-b",
+        ):
+            await agent.nc.publish(subject, b"forged")
+            await agent.nc.flush()
+            await agent.wait_violation(subject)
+        assert await _pending(nats_url, "host-b") == 1
+    finally:
+        await agent.nc.close()
+
+
+async def test_agent_publishes_reports_and_its_heartbeat(nats_url: str) -> None:
+    agent = await connect(nats_url, "agent-host-a")
+    try:
+        js = agent.nc.jetstream(timeout=2)
+        ack = await js.publish("vmfence.in.3.report.default.web-0", b"vm started")
+        assert ack.stream == "VMFENCE_IN"
+        ack = await js.publish("vmfence.dlq.agent", b"undecodable command")
+        assert ack.stream == "VMFENCE_DLQ"
+        kv = await js.key_value("vmfence_hosts")
+        rev = await kv.put("host-a", b'{"cpus": 4}')
+        assert rev > 0
+        assert (await kv.get("host-a")).value == b'{"cpus": 4}'
+        assert not agent.violations(), agent.errors
+    finally:
+        await agent.nc.close()
+
+
+async def test_watcher_publishes_observations_but_not_the_log(nats_url: str) -> None:
+    watcher = await connect(nats_url, "watcher")
+    try:
+        js = watcher.nc.jetstream(timeout=2)
+        ack = await js.publish("vmfence.in.5.pod.default.web-0", b"pod", headers={"Nats-Msg-Id": "uid-1:42"})
+        assert ack.stream == "VMFENCE_IN"
+        ack = await js.publish("vmfence.in.5.vm.default.vm-0", b"vm")
+        assert ack.stream == "VMFENCE_IN"
+        assert not watcher.violations()
+        for subject in (
+            "vmfence.log.5.default.web-0",
+            "vmfence.cmd.host-a",
+            "vmfence.in.5.report.default.web-0",
+        ):
+            await watcher.nc.publish(subject, b"forged")
+            await watcher.nc.flush()
+            await watcher.wait_violation(subject)
+        # and it cannot read the input stream it writes (no consumer creation on VMFENCE_IN)
+        await watcher.nc.publish("$JS.API.CONSUMER.CREATE.VMFENCE_IN.reconciler-p5", b"{}")
+        await watcher.wait_violation("$JS.API.CONSUMER.CREATE.VMFENCE_IN.reconciler-p5")
+    finally:
+        await watcher.nc.close()
+
+
+async def test_reconciler_appends_commands_and_consumes_inputs(nats_url: str) -> None:
+    rec = await connect(nats_url, "reconciler")
+    try:
+        js = rec.nc.jetstream(timeout=2)
+        subject = "vmfence.log.7.default.web-0"
+        first = await js.publish(subject, b"Admitted", headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+        assert first.stream == "VMFENCE_LOG"
+        # a stale append is refused by the stream (the fence), not by permissions
+        with pytest.raises(nats.js.errors.APIError) as err:
+            await js.publish(subject, b"Placed", headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+        assert err.value.err_code == 10071
+        last = await js.get_last_msg("VMFENCE_LOG", subject)
+        assert last.data == b"Admitted"
+
+        ack = await js.publish("vmfence.cmd.host-b", b"stop vm")
+        assert ack.stream == "VMFENCE_CMD"
+        ack = await js.publish("vmfence.in.7.report.default.web-0", b"k8s write done")
+        assert ack.stream == "VMFENCE_IN"
+
+        sub = await js.pull_subscribe("vmfence.in.5.>", durable="reconciler-p5", stream="VMFENCE_IN")
+        msgs = await sub.fetch(1, timeout=2)
+        await msgs[0].ack_sync(timeout=2)
+
+        leases = await js.key_value("vmfence_leases")
+        await leases.create("5", b"reconciler-0")
+        hosts = await js.key_value("vmfence_hosts")
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await hosts.get("host-z")
+        assert not rec.violations(), rec.errors
+
+        # but it may not write host heartbeats (agents own them)
+        await rec.nc.publish("$KV.vmfence_hosts.host-a", b"forged")
+        await rec.nc.flush()
+        await rec.wait_violation("$KV.vmfence_hosts.host-a")
+        assert await _pending(nats_url, "host-b") == 2
+        # consume the extra command again so test order does not matter for _pending() counts
+        admin = await connect(nats_url, "admin")
+        try:
+            await admin.nc.jetstream().purge_stream("VMFENCE_CMD", subject="vmfence.cmd.host-b")
+            await admin.nc.jetstream().publish("vmfence.cmd.host-b", b"start vm for host-b")
+        finally:
+            await admin.nc.close()
+    finally:
+        await rec.nc.close()
+
+
+async def test_audit_reads_the_log_but_writes_nothing(nats_url: str) -> None:
+    audit = await connect(nats_url, "audit")
+    try:
+        js = audit.nc.jetstream(timeout=2)
+        info = await js.stream_info("VMFENCE_LOG")
+        assert info.config.name == "VMFENCE_LOG"
+        sub = await js.subscribe("vmfence.log.>", ordered_consumer=True, deliver_policy=None)
+        await sub.unsubscribe()
+        for subject in ("vmfence.log.7.default.web-0", "vmfence.cmd.host-a", "$KV.vmfence_leases.5"):
+            await audit.nc.publish(subject, b"forged")
+            await audit.nc.flush()
+            await audit.wait_violation(subject)
+    finally:
+        await audit.nc.close()
