@@ -1,0 +1,477 @@
+"""In-process, deterministic, fault-injectable runtime driver.
+
+The sim "host" is a record of VMs that outlives the agent process when ``state_dir`` is given
+(a JSON file, rewritten atomically after every effect). Tests use ``running_vms()`` and
+``history`` as an oracle independent of the agent's own ledger.
+
+Faults (``driver.faults``):
+  - ``fail(op, ...)``: the op raises RuntimeFailure before any effect.
+  - ``delay(op, seconds, ...)``: the op sleeps before its effect.
+  - ``crash_after(op, ...)``: the effect is applied (and persisted), then AgentCrash is raised:
+    the "agent died between effect and report" case.
+  - ``inconclusive(...)``: inspect raises Inconclusive.
+  - ``driver.crash_vm(vm_id)``: the VM exits (-> VMExitedEvent).
+  - ``driver.lose_vm(vm_id)``: the host forgets the VM silently; inspect then returns None and a
+    VMGoneEvent is published when the driver notices (inspect, list or reconcile()).
+Each rule matches an op name ("*" = any), optionally a vm_id, fires ``times`` times (None =
+forever) and/or with a ``probability`` drawn from the driver's seeded random.Random.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+from .base import (
+    EventHub,
+    EventSubscription,
+    Inconclusive,
+    RuntimeFailure,
+    SnapshotInfo,
+    VMExitedEvent,
+    VMGoneEvent,
+    VMInfo,
+    VMSpec,
+    check_spec,
+    check_vm_id,
+)
+from .pool import DisplayPool, vnc_owner
+
+OPS = ("create", "start", "stop", "remove", "inspect", "list", "snapshot", "restore", "probe")
+
+
+class AgentCrash(Exception):
+    """Injected: the agent process 'died' right after an effect was applied, before reporting it."""
+
+
+FaultKind = Literal["fail", "delay", "crash_after", "inconclusive"]
+
+
+@dataclass
+class FaultRule:
+    kind: FaultKind
+    op: str
+    vm_id: str | None = None
+    times: int | None = 1
+    probability: float | None = None
+    seconds: float = 0.0
+    message: str = "injected failure"
+    fired: int = 0
+
+    def matches(self, op: str, vm_id: str | None) -> bool:
+        if self.op != "*" and self.op != op:
+            return False
+        if self.vm_id is not None and self.vm_id != vm_id:
+            return False
+        return self.times is None or self.fired < self.times
+
+
+class SimFaults:
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self.rules: list[FaultRule] = []
+
+    def _add(self, rule: FaultRule) -> FaultRule:
+        if rule.op != "*" and rule.op not in OPS:
+            raise ValueError(f"unknown op {rule.op!r}; one of {OPS}")
+        self.rules.append(rule)
+        return rule
+
+    def fail(
+        self,
+        op: str,
+        *,
+        vm_id: str | None = None,
+        times: int | None = 1,
+        probability: float | None = None,
+        message: str = "injected failure",
+    ) -> FaultRule:
+        return self._add(FaultRule("fail", op, vm_id, times, probability, message=message))
+
+    def delay(
+        self,
+        op: str,
+        seconds: float,
+        *,
+        vm_id: str | None = None,
+        times: int | None = 1,
+        probability: float | None = None,
+    ) -> FaultRule:
+        return self._add(FaultRule("delay", op, vm_id, times, probability, seconds=seconds))
+
+    def crash_after(
+        self, op: str, *, vm_id: str | None = None, times: int | None = 1, probability: float | None = None
+    ) -> FaultRule:
+        return self._add(FaultRule("crash_after", op, vm_id, times, probability))
+
+    def inconclusive(
+        self, *, vm_id: str | None = None, times: int | None = 1, probability: float | None = None
+    ) -> FaultRule:
+        return self._add(FaultRule("inconclusive", "inspect", vm_id, times, probability))
+
+    def clear(self) -> None:
+        self.rules.clear()
+
+    def draw(self, kind: FaultKind, op: str, vm_id: str | None) -> FaultRule | None:
+        """The first matching rule of this kind that fires now (consumes one firing)."""
+        for rule in self.rules:
+            if rule.kind != kind or not rule.matches(op, vm_id):
+                continue
+            if rule.probability is not None and self._rng.random() >= rule.probability:
+                continue
+            rule.fired += 1
+            return rule
+        return None
+
+
+class SimOp(msgspec.Struct):
+    op: str
+    vm_id: str | None
+    labels: dict[str, str] = {}
+    outcome: str = "ok"  # ok | failed | crashed_after | inconclusive
+
+
+class _SimVM(msgspec.Struct):
+    spec: VMSpec
+    state: Literal["running", "paused", "exited", "creating"]
+    pid: int | None = None
+    vnc_display: int | None = None
+    probe_host_port: int | None = None
+    exit_code: int | None = None
+    memory_token: str = ""
+    ready: bool = True
+
+
+class _HostRecord(msgspec.Struct):
+    vms: dict[str, _SimVM] = {}
+    next_pid: int = 1000
+    next_port: int = 20000
+    history: list[SimOp] = []
+    known: list[str] = []  # vm ids the (previous) agent was told about: a VM that vanishes is "gone"
+
+
+@dataclass
+class _Snapshot:
+    spec: VMSpec
+    memory_token: str
+
+
+@dataclass
+class SimDriver:
+    state_dir: str | None = None
+    seed: int = 0
+    vnc_displays: range = range(10, 110)
+    op_latency: float = 0.0  # seconds every op awaits (0 = just yields to the loop)
+    name: str = "sim"
+    rng: random.Random = field(init=False)
+    faults: SimFaults = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.faults = SimFaults(self.rng)
+        self._host = _HostRecord()
+        self._hub = EventHub()
+        self._displays = DisplayPool(self.vnc_displays, check_port=False)
+        self._snapshots: dict[str, _Snapshot] = {}
+        self._opened = False
+
+    # ------------------------------------------------------------------ oracle
+    @property
+    def history(self) -> list[SimOp]:
+        return self._host.history
+
+    def running_vms(self) -> list[str]:
+        return sorted(k for k, v in self._host.vms.items() if v.state in ("running", "paused"))
+
+    def all_vms(self) -> list[str]:
+        return sorted(self._host.vms)
+
+    def memory_token(self, vm_id: str) -> str | None:
+        vm = self._host.vms.get(vm_id)
+        return vm.memory_token if vm else None
+
+    @property
+    def emitted(self) -> list[Any]:
+        return list(self._hub.history)
+
+    # ------------------------------------------------------------------ persistence
+    def _path(self) -> str | None:
+        return os.path.join(self.state_dir, "sim-host.json") if self.state_dir else None
+
+    def _save(self) -> None:
+        path = self._path()
+        if path is None:
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(msgspec.json.encode(self._host))
+        os.replace(tmp, path)
+
+    def _load(self) -> None:
+        path = self._path()
+        if path and os.path.exists(path):
+            with open(path, "rb") as f:
+                self._host = msgspec.json.decode(f.read(), type=_HostRecord)
+
+    # ------------------------------------------------------------------ fault plumbing
+    async def _enter(self, op: str, vm_id: str | None, labels: dict[str, str] | None = None) -> None:
+        if self.op_latency:
+            await asyncio.sleep(self.op_latency)
+        else:
+            await asyncio.sleep(0)
+        d = self.faults.draw("delay", op, vm_id)
+        if d is not None:
+            await asyncio.sleep(d.seconds)
+        f = self.faults.draw("fail", op, vm_id)
+        if f is not None:
+            self._record(op, vm_id, labels, "failed")
+            raise RuntimeFailure(f"{op} {vm_id}: {f.message}")
+
+    def _exit(self, op: str, vm_id: str | None, labels: dict[str, str] | None = None) -> None:
+        """After the effect: persist, record, and maybe 'crash the agent'."""
+        c = self.faults.draw("crash_after", op, vm_id)
+        self._record(op, vm_id, labels, "crashed_after" if c else "ok")
+        if c is not None:
+            raise AgentCrash(f"injected agent crash after {op} {vm_id}")
+
+    def _record(self, op: str, vm_id: str | None, labels: dict[str, str] | None, outcome: str) -> None:
+        self._host.history.append(SimOp(op, vm_id, dict(labels or {}), outcome))
+        self._save()
+
+    def _know(self, vm_id: str) -> None:
+        if vm_id not in self._host.known:
+            self._host.known.append(vm_id)
+
+    def _forget(self, vm_id: str) -> None:
+        if vm_id in self._host.known:
+            self._host.known.remove(vm_id)
+
+    def _info(self, vm: _SimVM) -> VMInfo:
+        return VMInfo(
+            vm_id=vm.spec.vm_id,
+            state=vm.state,
+            pid=vm.pid if vm.state in ("running", "paused") else None,
+            vnc_display=vm.vnc_display,
+            probe_host_port=vm.probe_host_port,
+            ip="10.0.2.15" if vm.spec.image else None,
+            labels=dict(vm.spec.labels),
+            exit_code=vm.exit_code,
+        )
+
+    def _notice_gone(self, vm_id: str) -> None:
+        if vm_id in self._host.known and vm_id not in self._host.vms:
+            self._forget(vm_id)
+            self._save()
+            self._hub.publish(VMGoneEvent(vm_id=vm_id))
+
+    @staticmethod
+    def _owner(spec: VMSpec) -> str:
+        return vnc_owner(spec)
+
+    def _boot(self, spec: VMSpec, token: str | None = None) -> _SimVM:
+        pid = self._host.next_pid
+        self._host.next_pid += 1
+        port = None
+        if spec.probe_port is not None:
+            port = self._host.next_port
+            self._host.next_port += 1
+        disp = self._displays.reserve(self._owner(spec)) if spec.vnc else None
+        return _SimVM(
+            spec=spec,
+            state="running",
+            pid=pid,
+            vnc_display=disp,
+            probe_host_port=port,
+            memory_token=token if token is not None else f"{self.rng.getrandbits(64):016x}",
+        )
+
+    # ------------------------------------------------------------------ driver interface
+    async def open(self) -> None:
+        self._load()
+        for vm in self._host.vms.values():
+            if vm.vnc_display is not None:
+                self._displays.claim(vm.vnc_display, self._owner(vm.spec))
+        self._opened = True
+        await self.reconcile()
+
+    async def close(self) -> None:
+        self._save()
+        self._hub.close()
+
+    async def reconcile(self) -> None:
+        """Notice VMs the host no longer has (-> VMGoneEvent)."""
+        for vm_id in list(self._host.known):
+            self._notice_gone(vm_id)
+
+    async def create(self, spec: VMSpec) -> VMInfo:
+        check_spec(spec)
+        await self._enter("create", spec.vm_id, spec.labels)
+        vm = self._host.vms.get(spec.vm_id)
+        if vm is None:
+            vm = self._boot(spec)
+            self._host.vms[spec.vm_id] = vm
+        self._know(spec.vm_id)
+        self._exit("create", spec.vm_id, spec.labels)
+        return self._info(vm)
+
+    async def start(self, vm_id: str) -> VMInfo:
+        check_vm_id(vm_id)
+        vm = self._host.vms.get(vm_id)
+        await self._enter("start", vm_id, vm.spec.labels if vm else None)
+        vm = self._host.vms.get(vm_id)
+        if vm is None:
+            self._record("start", vm_id, None, "failed")
+            raise RuntimeFailure(f"start {vm_id}: no such VM")
+        if vm.state == "exited":
+            fresh = self._boot(vm.spec, token=None)
+            fresh.vnc_display = vm.vnc_display if vm.vnc_display is not None else fresh.vnc_display
+            vm = fresh
+            self._host.vms[vm_id] = vm
+        self._know(vm_id)
+        self._exit("start", vm_id, vm.spec.labels)
+        return self._info(vm)
+
+    async def stop(self, vm_id: str) -> None:
+        check_vm_id(vm_id)
+        vm = self._host.vms.get(vm_id)
+        await self._enter("stop", vm_id, vm.spec.labels if vm else None)
+        vm = self._host.vms.get(vm_id)
+        if vm is None:
+            self._record("stop", vm_id, None, "failed")
+            raise RuntimeFailure(f"stop {vm_id}: no such VM")
+        if vm.state != "exited":
+            vm.state, vm.exit_code, vm.pid = "exited", 0, None
+        self._exit("stop", vm_id, vm.spec.labels)
+
+    async def remove(self, vm_id: str) -> None:
+        check_vm_id(vm_id)
+        vm = self._host.vms.get(vm_id)
+        await self._enter("remove", vm_id, vm.spec.labels if vm else None)
+        vm = self._host.vms.pop(vm_id, None)
+        if vm is not None and vm.vnc_display is not None:
+            self._displays.release(vm.vnc_display, self._owner(vm.spec))
+        self._forget(vm_id)
+        self._exit("remove", vm_id, vm.spec.labels if vm else None)
+
+    async def inspect(self, vm_id: str) -> VMInfo | None:
+        check_vm_id(vm_id)
+        await self._enter("inspect", vm_id)
+        if self.faults.draw("inconclusive", "inspect", vm_id) is not None:
+            self._record("inspect", vm_id, None, "inconclusive")
+            raise Inconclusive(f"inspect {vm_id}: injected inconclusive")
+        vm = self._host.vms.get(vm_id)
+        if vm is None:
+            self._notice_gone(vm_id)
+            return None
+        self._know(vm_id)
+        return self._info(vm)
+
+    async def list(self) -> list[VMInfo]:
+        await self._enter("list", None)
+        await self.reconcile()
+        for vm_id in self._host.vms:
+            self._know(vm_id)
+        return [self._info(v) for _, v in sorted(self._host.vms.items())]
+
+    async def snapshot(self, vm_id: str, dest: str) -> SnapshotInfo:
+        check_vm_id(vm_id)
+        t0 = time.monotonic()
+        vm = self._host.vms.get(vm_id)
+        await self._enter("snapshot", vm_id, vm.spec.labels if vm else None)
+        vm = self._host.vms.get(vm_id)
+        if vm is None or vm.state not in ("running", "paused"):
+            self._record("snapshot", vm_id, None, "failed")
+            raise RuntimeFailure(f"snapshot {vm_id}: VM is not running")
+        snap = _Snapshot(vm.spec, vm.memory_token)
+        self._snapshots[dest] = snap
+        size = _write_snapshot(dest, msgspec.json.encode({"spec": vm.spec, "memory_token": vm.memory_token}))
+        del self._host.vms[vm_id]
+        if vm.vnc_display is not None:
+            self._displays.release(vm.vnc_display, self._owner(vm.spec))
+        self._forget(vm_id)
+        self._exit("snapshot", vm_id, vm.spec.labels)
+        return SnapshotInfo(vm_id=vm_id, path=dest, size_bytes=size, seconds=time.monotonic() - t0)
+
+    async def restore(self, spec: VMSpec, src: str) -> VMInfo:
+        check_spec(spec)
+        await self._enter("restore", spec.vm_id, spec.labels)
+        existing = self._host.vms.get(spec.vm_id)
+        if existing is not None and existing.state != "exited":
+            self._exit("restore", spec.vm_id, spec.labels)
+            return self._info(existing)
+        snap = self._snapshots.get(src)
+        if snap is None:
+            raw = _read_snapshot(src)
+            if raw is not None:
+                snap = _Snapshot(msgspec.convert(raw["spec"], VMSpec), raw["memory_token"])
+        if snap is None:
+            self._record("restore", spec.vm_id, spec.labels, "failed")
+            raise RuntimeFailure(f"restore {spec.vm_id}: no snapshot at {src}")
+        if existing is not None and existing.vnc_display is not None:
+            self._displays.release(existing.vnc_display, self._owner(existing.spec))
+        vm = self._boot(spec, token=snap.memory_token)
+        self._host.vms[spec.vm_id] = vm
+        self._know(spec.vm_id)
+        self._exit("restore", spec.vm_id, spec.labels)
+        return self._info(vm)
+
+    async def probe(self, vm_id: str) -> bool:
+        check_vm_id(vm_id)
+        await self._enter("probe", vm_id)
+        vm = self._host.vms.get(vm_id)
+        return vm is not None and vm.state == "running" and vm.ready
+
+    def events(self) -> EventSubscription:
+        return self._hub.subscribe()
+
+    # ------------------------------------------------------------------ host-side faults
+    def crash_vm(self, vm_id: str, *, exit_code: int | None = None, signal: int | None = 9) -> None:
+        """The VM process dies (as if SIGKILLed): state exited, VMExitedEvent published."""
+        vm = self._host.vms.get(vm_id)
+        if vm is None or vm.state == "exited":
+            raise RuntimeFailure(f"crash_vm {vm_id}: not running")
+        vm.state, vm.pid = "exited", None
+        vm.exit_code = exit_code
+        self._save()
+        self._hub.publish(VMExitedEvent(vm_id=vm_id, exit_code=exit_code, signal=signal))
+
+    def lose_vm(self, vm_id: str) -> None:
+        """The host silently forgets the VM (its record vanishes). No event until noticed."""
+        vm = self._host.vms.pop(vm_id, None)
+        if vm is None:
+            raise RuntimeFailure(f"lose_vm {vm_id}: unknown")
+        if vm.vnc_display is not None:
+            self._displays.release(vm.vnc_display, self._owner(vm.spec))
+        self._save()
+
+    def set_ready(self, vm_id: str, ready: bool) -> None:
+        vm = self._host.vms[vm_id]
+        vm.ready = ready
+        self._save()
+
+
+
+def _write_snapshot(dest: str, payload: bytes) -> int:
+    d = os.path.dirname(dest)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    with open(dest, "wb") as f:
+        f.write(payload)
+    return len(payload)
+
+
+def _read_snapshot(src: str) -> dict[str, Any] | None:
+    try:
+        with open(src, "rb") as f:
+            raw: dict[str, Any] = json.loads(f.read())
+            return raw
+    except FileNotFoundError:
+        return None
