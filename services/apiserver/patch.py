@@ -153,7 +153,12 @@ def _add(doc: Any, pointer: str, value: Any, replace: bool = False) -> None:
 def json_patch(target: dict[str, Any], ops: Any) -> dict[str, Any]:
     """RFC 6902 JSON patch (add, remove, replace, move, copy, test)."""
     if not isinstance(ops, list):
-        raise ApiError(400, "json patch must be a list of operations", "BadRequest")
+        raise ApiError(
+            400,
+            "json patch must be a list of operations (kubernetes clients send a dict body as "
+            "json-patch unless told otherwise: pass _content_type='application/merge-patch+json')",
+            "BadRequest",
+        )
     doc = copy.deepcopy(target)
     for op in ops:
         if not isinstance(op, dict) or "op" not in op or "path" not in op:

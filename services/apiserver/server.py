@@ -277,10 +277,16 @@ class _Handlers:
     async def _body(self, request: web.Request) -> Any:
         if not request.can_read_body:
             return None
+        ctype = request.content_type
+        if "protobuf" in ctype or "cbor" in ctype:
+            raise ApiError(
+                415,
+                f"the vmfence development server only accepts JSON bodies, not {ctype}",
+                "UnsupportedMediaType",
+            )
         raw = await request.read()
         if not raw.strip():
             return None
-        ctype = request.content_type
         try:
             if ctype in ("application/yaml", "application/apply-patch+yaml"):
                 return yaml.safe_load(raw)
@@ -290,7 +296,10 @@ class _Handlers:
 
     async def _do_get(self, request: web.Request, t: _Target) -> tuple[int, Any]:
         assert t.name is not None
-        return 200, self.store.get(t.rt, t.namespace, t.name, cached=self._cached(request))
+        obj = self.store.get(t.rt, t.namespace, t.name, cached=self._cached(request))
+        if tables.wants_table(request.headers.get("Accept", "")):
+            return 200, tables.table(t.rt, [obj], obj["metadata"].get("resourceVersion", ""))
+        return 200, obj
 
     async def _do_list(self, request: web.Request, t: _Target) -> tuple[int, Any]:
         items, rv = self.store.list(t.rt, t.namespace, self._predicate(request), cached=self._cached(request))

@@ -69,6 +69,8 @@ async def test_kubectl_pod_lifecycle(kubectl: Kubectl, core: client.CoreV1Api, t
     listing = await kubectl("get", "pods")
     assert listing.split("\n")[0].split()[:3] == ["NAME", "READY", "STATUS"]
     assert listing.split("\n")[1].split()[:3] == ["x", "0/1", "Pending"]
+    single = await kubectl("get", "pod", "x", "-o", "wide", "--show-labels")
+    assert single.split("\n")[1].split()[:3] == ["x", "0/1", "Pending"] and "app=demo" in single
     assert "annotated" in await kubectl("annotate", "pod", "x", "k=v")
     assert (await core.read_namespaced_pod("x", "default")).metadata.annotations == {"k": "v"}
     described = await kubectl("describe", "pod", "x")
