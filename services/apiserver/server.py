@@ -393,13 +393,13 @@ class _Handlers:
             except ValueError as exc:
                 raise ApiError(400, "timeoutSeconds must be a number", "BadRequest") from exc
         bookmarks = request.query.get("allowWatchBookmarks") in ("1", "true", "True")
+        send_initial = request.query.get("sendInitialEvents") in ("1", "true", "True")
+        rv_param = None if send_initial else request.query.get("resourceVersion")
         cache = self.store.cache
         resp = web.StreamResponse(status=200, headers={"Cache-Control": "no-cache, private"})
         resp.content_type = "application/json"
         try:
-            watcher, initial = cache.subscribe(
-                t.rt.key, t.namespace, self._predicate(request), request.query.get("resourceVersion")
-            )
+            watcher, initial = cache.subscribe(t.rt.key, t.namespace, self._predicate(request), rv_param)
         except ApiError as err:
             if err.code != 410:
                 raise
@@ -408,7 +408,9 @@ class _Handlers:
             return resp
         try:
             await resp.prepare(request)
-            await self._stream(resp, t, watcher, initial, timeout_s, bookmarks, table)
+            await self._stream(
+                resp, t, watcher, initial, timeout_s, bookmarks, table, send_initial and bookmarks
+            )
         except (ConnectionResetError, asyncio.CancelledError):
             pass
         finally:
@@ -424,6 +426,7 @@ class _Handlers:
         timeout_s: float | None,
         bookmarks: bool,
         table: bool,
+        initial_end_bookmark: bool = False,
     ) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s if timeout_s else None
@@ -451,6 +454,18 @@ class _Handlers:
         for etype, obj in initial:
             if not await send(etype, obj):
                 return
+        if initial_end_bookmark:
+            # watch-list (sendInitialEvents=true): tell the client the initial state is complete
+            rv = max(self.store.cache.rv, watcher.min_rv)
+            end = {
+                "kind": t.rt.kind,
+                "apiVersion": t.rt.api_version,
+                "metadata": {
+                    "resourceVersion": str(rv),
+                    "annotations": {"k8s.io/initial-events-end": "true"},
+                },
+            }
+            await resp.write(_line({"type": "BOOKMARK", "object": end}))
         while not watcher.closed or not watcher.queue.empty():
             now = loop.time()
             waits = [x - now for x in (deadline, next_bookmark) if x is not None]
