@@ -101,7 +101,7 @@ class Faults:
         return self._on_drop_watches() if self._on_drop_watches is not None else 0
 
     def drop_watches_every(self, k: int | None) -> None:
-        """Close each watch stream after it has sent ``k`` events (``None`` turns it off)."""
+        """Close each watch stream after it has sent ``k`` events, initial ones included (``None``: off)."""
         self.drop_watch_every = k if k and k > 0 else None
 
     def inject_error(
