@@ -9,6 +9,7 @@ Layout under ``state_dir``::
     vms/<vm_id>/qmp.sock        QMP socket (bound by the driver, handed to QEMU as a listening fd)
     vms/<vm_id>/qemu.pid        QEMU's pidfile (QEMU holds a lock on it while it runs)
     vms/<vm_id>/serial.log      guest serial console
+    vms/<vm_id>/firmware.log    SeaBIOS output (debugcon port 0x402)
     vms/<vm_id>/qemu.log        QEMU's stderr
 
 QEMU runs in its own session (``start_new_session``) so it outlives the agent; ``close()`` only
@@ -264,6 +265,8 @@ class QemuDriver:
         stop_timeout: float = 5.0,
         migrate_timeout: float = 120.0,
         probe_image: str | None = None,
+        probe_kernel: bool = True,
+        kernel_probe_timeout: float = 8.0,
         probe_request: bytes = b"GET / HTTP/1.0\r\n\r\n",
         probe_timeout: float = 2.0,
         kernel_append: str = "console=ttyS0 quiet",
@@ -286,6 +289,8 @@ class QemuDriver:
         self.stop_timeout = stop_timeout
         self.migrate_timeout = migrate_timeout
         self.probe_image = probe_image
+        self.probe_kernel = probe_kernel
+        self.kernel_probe_timeout = kernel_probe_timeout
         self.probe_request = probe_request
         self.probe_timeout = probe_timeout
         self.kernel_append = kernel_append
@@ -397,6 +402,8 @@ class QemuDriver:
             return self.accel
 
     def _probe_kernel(self) -> tuple[str, str] | None:
+        if not self.probe_kernel:
+            return None
         for cand in (self.probe_image, os.environ.get("VMFENCE_GUEST_IMAGE"), str(REPO_GUEST_IMAGE)):
             if cand and (files := _image_files(cand)):
                 return files
@@ -454,7 +461,7 @@ class QemuDriver:
         ok = await self._run_probe_vm(
             [
                 "-machine", "pc,accel=kvm", "-m", "64",
-                "-drive", f"file={img},format=raw,if=ide,readonly=on",
+                "-drive", f"file={img},format=raw,if=ide",
                 "-debugcon", f"file:{dbg}", "-global", "isa-debugcon.iobase=0x402",
             ],
             dbg, (_BOOT_SECTOR_OK,), 5.0,
@@ -473,7 +480,7 @@ class QemuDriver:
                 "-append", "console=ttyS0 earlyprintk=serial,ttyS0 panic=-1",
                 "-serial", f"file:{ser}", "-no-reboot",
             ],
-            ser, (b"Run /init as init process", b"VMFENCE-READY"), 10.0,
+            ser, (b"Run /init as init process", b"VMFENCE-READY"), self.kernel_probe_timeout,
         )  # fmt: skip
         if not ok:
             return "tcg", "kvm probe: guest kernel did not reach userspace under kvm"
@@ -483,10 +490,11 @@ class QemuDriver:
         self, extra: list[str], out_file: str, needles: tuple[bytes, ...], timeout: float
     ) -> bool:
         args = [self.qemu_binary, "-nodefaults", "-no-user-config", "-display", "none", *extra]
-        proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )  # fmt: skip
+        with open(f"{out_file}.stderr", "wb") as err:
+            proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                start_new_session=True,
+            )  # fmt: skip
         try:
             deadline = time.monotonic() + timeout
             delay = 0.01
@@ -547,6 +555,8 @@ class QemuDriver:
             "-mon", "chardev=qmp0,mode=control",
             "-pidfile", os.path.join(d, "qemu.pid"),
             "-serial", f"file:{os.path.join(d, 'serial.log')}",
+            "-debugcon", f"file:{os.path.join(d, 'firmware.log')}",
+            "-global", "isa-debugcon.iobase=0x402",
             "-drive", f"file={os.path.join(d, 'disk.qcow2')},format=qcow2,if=virtio,id=disk0",
         ]  # fmt: skip
         if spec.image is not None or spec.probe_port is not None:

@@ -135,7 +135,7 @@ class SimOp(msgspec.Struct):
     op: str
     vm_id: str | None
     labels: dict[str, str] = {}
-    outcome: str = "ok"  # ok | failed | crashed_after | inconclusive
+    outcome: str = "ok"  # ok | failed | crashed_after | inconclusive | unknown | ready | not-ready
 
 
 class _SimVM(msgspec.Struct):
@@ -368,6 +368,7 @@ class SimDriver:
             self._record("inspect", vm_id, None, "inconclusive")
             raise Inconclusive(f"inspect {vm_id}: injected inconclusive")
         vm = self._host.vms.get(vm_id)
+        self._record("inspect", vm_id, vm.spec.labels if vm else None, "ok" if vm else "unknown")
         if vm is None:
             self._notice_gone(vm_id)
             return None
@@ -377,6 +378,7 @@ class SimDriver:
     async def list(self) -> list[VMInfo]:
         await self._enter("list", None)
         await self.reconcile()
+        self._record("list", None, None, "ok")
         for vm_id in self._host.vms:
             self._know(vm_id)
         return [self._info(v) for _, v in sorted(self._host.vms.items())]
@@ -427,7 +429,9 @@ class SimDriver:
         check_vm_id(vm_id)
         await self._enter("probe", vm_id)
         vm = self._host.vms.get(vm_id)
-        return vm is not None and vm.state == "running" and vm.ready
+        ready = vm is not None and vm.state == "running" and vm.ready
+        self._record("probe", vm_id, vm.spec.labels if vm else None, "ready" if ready else "not-ready")
+        return ready
 
     def events(self) -> EventSubscription:
         return self._hub.subscribe()
