@@ -23,6 +23,7 @@ import msgspec
 
 from shared.schema import (
     Admitted,
+    Adopted,
     Bound,
     Command,
     Commanded,
@@ -132,11 +133,6 @@ class Auditor:
                         )
                 elif cur is None or cur.fence != c.fence or s.is_tombstoned(c.fence.uid):
                     self._bad(key, n, seq, "command_fence_not_current", f"{c.op} {c.vm_id} with {c.fence}")
-                if c.op == "wake":
-                    self._created += 1
-                    others = [v for v in s.vms.values() if v.vm_id != c.vm_id]
-                    if others:
-                        self._bad(key, n, seq, "two_vms_for_key", f"wake of {c.vm_id} while others exist")
             case Bound(fence=f, vm_id=vm_id, command_id=cid):
                 cmd = cmds.get(cid)
                 if cmd is None or cmd.vm_id != vm_id or cmd.fence != f:
@@ -146,6 +142,10 @@ class Auditor:
                 owner = self._vm_owner.get(vm_id)
                 if owner is not None and owner != key:
                     self._bad(key, n, seq, "vm_bound_twice", f"{vm_id} already live for {owner}")
+            case Adopted(fence=f, vm_id=vm_id, command_id=cid):
+                cmd = cmds.get(cid)
+                if cmd is None or cmd.op != "adopt" or cmd.vm_id != vm_id or cmd.fence != f:
+                    self._bad(key, n, seq, "result_fence_mismatch", f"adopted {vm_id} under {f} by {cid}")
             case Released(fence=f, vm_id=vm_id, command_id=cid):
                 self._released += 1
                 rec = s.vms.get(vm_id)

@@ -44,6 +44,7 @@ import msgspec
 
 from shared.schema import (
     Admitted,
+    Adopted,
     Bound,
     Command,
     Commanded,
@@ -230,6 +231,10 @@ def _on_confirmed(run: _Run, r: ConfirmedRead) -> None:
             _delete_path(run, cur, gone=False)
     elif s.is_tombstoned(r.uid):
         run.add(Skipped("superseded", r.uid, "consistent read returned a tombstoned uid"))
+    elif r.resource_version < s.admitted_rv:
+        # older than an incarnation already admitted (resourceVersions are etcd revisions): a read
+        # answered before a later one was applied. Its uid is dead; never admit it.
+        run.add(Superseded(Fence(s.key, r.uid, 0), by_uid=cur.fence.uid if cur else None))
     else:
         _admit(run, r)
 
@@ -242,7 +247,7 @@ def _admit(run: _Run, r: ConfirmedRead) -> None:
     if prev is not None:
         run.add(Superseded(prev.fence, by_uid=r.uid))
         _event(run, prev.fence, "Superseded", f"replaced by incarnation {r.uid}", warning=False)
-        if r.spec.on_recreate == "adopt" and prev.vm_id in s.vms and prev.bound:
+        if r.spec.on_recreate == "adopt" and not r.deleting and prev.vm_id in s.vms and prev.bound:
             adopt_vm = prev.vm_id
     fence = Fence(s.key, r.uid, s.epoch + 1)
     run.add(Admitted(fence, r.spec, r.invalid, r.resource_version))
@@ -282,7 +287,7 @@ def _bring_up(run: _Run) -> None:
         return  # has (or is making) its VM
     if s.vms:
         return  # another VM of the key is still being removed or adopted: wait for its Released
-    if any(_timer_purpose(e) == "place" for e in s.outbox.values()):
+    if _place_pending(s, cur.fence):
         return
     if cur.hibernated:
         _wake(run, cur)  # restores from the snapshot in the log; never a blank VM (rule 10)
@@ -332,7 +337,15 @@ def _on_result(run: _Run, r: CommandResult) -> None:
     rec = s.vms.get(cmd.vm_id)
     cur = s.cur
     if r.outcome == "fenced":
+        # the agent says this VM is not ours to touch (newer owner, or removed for good): our
+        # record of it ends here; if it still exists the agent's inventory brings it back to us
         run.add(Skipped("fenced", r.fence.uid, f"agent refused {cmd.op} of {cmd.vm_id}"))
+        if rec is not None and rec.fence == cmd.fence:
+            run.add(Released(rec.fence, cmd.vm_id, cmd.host, "fenced", cmd.id))
+            if cur is not None and cur.fence == cmd.fence and not cur.deleting:
+                _arm(run, cur.fence, "place", EFFECT_RETRY_S)
+            else:
+                _after_release(run)
         return
     if r.outcome == "inconclusive":
         if cmd.op == "adopt" and s.is_current(cmd.fence):
@@ -365,11 +378,15 @@ def _on_result(run: _Run, r: CommandResult) -> None:
         case "adopt":
             if rec is None:
                 return
-            if r.outcome == "ok" and cur is not None and cur.fence == cmd.fence and not cur.deleting:
-                run.add(Bound(cur.fence, cmd.vm_id, cmd.host, cmd.id, r.ip, r.vnc_port))
-                _event(run, cur.fence, "Adopted", f"VM {cmd.vm_id} on {cmd.host}")
-            elif r.outcome == "ok":
-                _command(run, "remove", cmd.fence, cmd.host, cmd.vm_id, None)
+            if r.outcome == "ok":
+                run.add(Adopted(cmd.fence, cmd.vm_id, cmd.host, cmd.id))
+                if cur is not None and cur.fence == cmd.fence and not cur.deleting:
+                    run.add(Bound(cur.fence, cmd.vm_id, cmd.host, cmd.id, r.ip, r.vnc_port))
+                    _event(run, cur.fence, "Adopted", f"VM {cmd.vm_id} on {cmd.host}")
+                    if cur.spec.hibernate:
+                        _hibernate(run, cur)
+                else:
+                    _command(run, "remove", cmd.fence, cmd.host, cmd.vm_id, None)
             else:
                 run.add(Released(rec.fence, cmd.vm_id, cmd.host, "lost", cmd.id))
                 _after_release(run)
@@ -442,7 +459,10 @@ def _delete_path(run: _Run, cur: Incarnation, *, gone: bool) -> None:
 
 def _finish_delete(run: _Run, cur: Incarnation) -> None:
     """VMs are gone: remove the object as a kubelet does (grace 0, UID precondition)."""
-    if any(isinstance(e, WriteRequested) and e.write.verb == "delete" for e in run.s.outbox.values()):
+    if any(
+        isinstance(e, WriteRequested) and e.write.verb == "delete" and e.write.fence == cur.fence
+        for e in run.s.outbox.values()
+    ):
         return
     run.add(WriteRequested(KubeWrite(run.effect_id("delete"), "delete", cur.fence)))
 
@@ -634,11 +654,15 @@ def _wake(run: _Run, cur: Incarnation) -> None:
         return
     if any(rec for rec in s.vms.values()):
         return
+    if cur.vm_id is not None or _place_pending(s, cur.fence):
+        return
     host = cur.snapshot_host or _place(run.env, cur.spec)
     if host is None:
         _arm(run, cur.fence, "place", PLACE_RETRY_S)
         return
-    vm_id = cur.vm_id or _vm_name(s.key, cur.fence.uid, cur.gen + 1)
+    # a restored VM is a new VM instance: it gets a new name, names are never reused
+    vm_id = _vm_name(s.key, cur.fence.uid, cur.gen + 1)
+    run.add(Placed(cur.fence, vm_id, host))
     cmd = Command(
         id=run.effect_id(cur.fence.uid, cur.fence.epoch, "wake", vm_id),
         op="wake",
@@ -672,8 +696,10 @@ def _arm(run: _Run, fence: Fence, purpose: str, delay_s: float) -> None:
     run.add(TimerArmed(fence, run.effect_id("timer", purpose), delay_s, purpose))
 
 
-def _timer_purpose(e: object) -> str | None:
-    return e.purpose if isinstance(e, TimerArmed) else None
+def _place_pending(s: KeyState, fence: Fence) -> bool:
+    return any(
+        isinstance(e, TimerArmed) and e.purpose == "place" and e.fence == fence for e in s.outbox.values()
+    )
 
 
 def _event(run: _Run, fence: Fence, reason: str, message: str, *, warning: bool = False) -> None:

@@ -250,6 +250,15 @@ class Bound(msgspec.Struct, tag="bound", frozen=True):
     vnc_port: int | None = None
 
 
+class Adopted(msgspec.Struct, tag="adopted", frozen=True):
+    """The agent confirmed the VM exists and moved its ownership to ``fence`` (rule 8)."""
+
+    fence: Fence
+    vm_id: str
+    host: str
+    command_id: str
+
+
 class Released(msgspec.Struct, tag="released", frozen=True):
     """A VM is no longer anyone's: removed, lost, or hibernated away."""
 
@@ -355,6 +364,7 @@ Decision = (
     | Placed
     | Commanded
     | Bound
+    | Adopted
     | Released
     | DeleteClaimed
     | EvictionRequested

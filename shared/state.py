@@ -13,6 +13,7 @@ import msgspec
 
 from shared.schema import (
     Admitted,
+    Adopted,
     Bound,
     Commanded,
     ConfirmRequested,
@@ -90,6 +91,7 @@ class KeyState(msgspec.Struct, omit_defaults=True):
     key: str
     n: int = 0  # entries folded so far (the next append is n + 1)
     epoch: int = 0
+    admitted_rv: int = 0  # resourceVersion of the newest admitted incarnation's confirmed read
     cur: Incarnation | None = None
     tombstones: list[str] = msgspec.field(default_factory=list)
     vms: dict[str, VMRec] = msgspec.field(default_factory=dict)
@@ -123,6 +125,7 @@ def fold(s: KeyState, d: Decision) -> KeyState:
             s.outbox[req] = d
         case Admitted(fence=f, spec=spec, invalid=invalid, resource_version=rv):
             s.epoch = max(s.epoch, f.epoch)
+            s.admitted_rv = max(s.admitted_rv, rv)
             s.cur = Incarnation(fence=f, spec=spec, invalid=invalid, rv=rv)
         case Superseded(fence=f):
             _tombstone(s, f.uid)
@@ -160,12 +163,14 @@ def fold(s: KeyState, d: Decision) -> KeyState:
                 c.phase = "Running"
                 c.hibernated = False
                 c.snapshot = c.snapshot_host = None
+        case Adopted(fence=f, vm_id=vm_id, host=host):
+            rec = s.vms.get(vm_id)
+            if rec is not None:
+                rec.fence, rec.state, rec.host = f, "running", host
         case Released(fence=f, vm_id=vm_id):
             s.vms.pop(vm_id, None)
             if (c := _cur_for(s, f)) is not None and c.vm_id == vm_id:
-                c.bound, c.ready = False, False
-                if not c.hibernated:
-                    c.vm_id = None
+                c.bound, c.ready, c.vm_id = False, False, None
         case DeleteClaimed(fence=f):
             if (c := _cur_for(s, f)) is not None:
                 c.delete_claim, c.deleting = True, True
@@ -185,7 +190,7 @@ def fold(s: KeyState, d: Decision) -> KeyState:
             s.vms.pop(vm_id, None)
             if (c := _cur_for(s, f)) is not None:
                 c.hibernated, c.snapshot, c.snapshot_host = True, snap, host
-                c.bound, c.ready = False, False
+                c.bound, c.ready, c.vm_id = False, False, None
         case Restarting(fence=f, restart_count=count):
             if (c := _cur_for(s, f)) is not None:
                 c.restart_count, c.ready = count, False
@@ -211,11 +216,10 @@ def fold(s: KeyState, d: Decision) -> KeyState:
             _tombstone(s, f.uid)
             if s.cur is not None and s.cur.fence.uid == f.uid:
                 s.cur = None
-            # effects of the forgotten incarnation can no longer matter
+            # its writes and timers can no longer matter; its commands still can (a late result
+            # may move a VM's ownership), so they stay until answered
             for eid, eff in list(s.outbox.items()):
-                if _effect_fence(eff) == f and not (
-                    isinstance(eff, Commanded) and eff.command.op == "remove"
-                ):
+                if _effect_fence(eff) == f and not isinstance(eff, Commanded):
                     del s.outbox[eid]
         case Skipped() | Rebuilt():
             pass

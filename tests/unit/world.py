@@ -1,0 +1,306 @@
+"""A pure, in-memory world around ``decide``: a Kubernetes object store with a lagging cache, agents
+with ledgers, and a bag of in-flight messages that a test (or hypothesis) delivers in any order, any
+number of times.
+
+Nothing here is vmfence's own component: this is the *environment* the policy must survive, written
+as plainly as possible so property tests can search its interleavings. Its oracle (``vms_per_key``)
+comes from the agents' own records, not from the reconciler's state.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from shared.audit import AuditReport, audit
+from shared.decide import DecideEnv, HostView, decide
+from shared.schema import (
+    Command,
+    Commanded,
+    CommandResult,
+    ConfirmedRead,
+    ConfirmRequested,
+    Fence,
+    Input,
+    Inventoried,
+    KubeWrite,
+    LogEntry,
+    Observed,
+    ProbeChanged,
+    Spec,
+    TimerArmed,
+    TimerFired,
+    VMExited,
+    VMGone,
+    WriteDone,
+    WriteRequested,
+)
+from shared.state import KeyState, fold_all
+
+HOSTS = ("host-a", "host-b")
+
+
+@dataclass
+class Pod:
+    uid: str
+    rv: int
+    spec: Spec
+    deleting: bool = False
+
+
+@dataclass
+class AgentVM:
+    vm_id: str
+    key: str
+    owner: Fence
+    running: bool = True
+
+
+@dataclass
+class Agent:
+    host: str
+    vms: dict[str, AgentVM] = field(default_factory=dict)
+    results: dict[str, CommandResult] = field(default_factory=dict)
+    snapshots: dict[str, str] = field(default_factory=dict)
+    removed: set[str] = field(default_factory=set)  # a removed VM id never comes back
+
+    def execute(self, cmd: Command) -> CommandResult:
+        """Measure, act on the difference, record by command id (answers redeliveries)."""
+        done = self.results.get(cmd.id)
+        if done is not None:
+            return done
+        vm = self.vms.get(cmd.vm_id)
+        outcome = "ok"
+        snapshot = None
+        if vm is not None and cmd.fence.epoch < vm.owner.epoch:
+            outcome = "fenced"
+        elif cmd.vm_id in self.removed and cmd.op != "remove":
+            outcome = "fenced"  # a create redelivered after its remove must not resurrect the VM
+        elif cmd.op == "create":
+            if vm is None:
+                self.vms[cmd.vm_id] = AgentVM(cmd.vm_id, cmd.fence.key, cmd.fence)
+        elif cmd.op == "start":
+            if vm is None:
+                outcome = "not_found"  # start re-runs an existing VM; it never makes one
+            else:
+                vm.running = True
+        elif cmd.op == "wake":
+            if cmd.snapshot not in self.snapshots:
+                outcome = "failed"
+            else:
+                self.vms[cmd.vm_id] = AgentVM(cmd.vm_id, cmd.fence.key, cmd.fence)
+        elif cmd.op == "remove":
+            self.removed.add(cmd.vm_id)
+            if vm is None:
+                outcome = "not_found"
+            else:
+                del self.vms[cmd.vm_id]
+        elif cmd.op == "hibernate":
+            if vm is None:
+                outcome = "not_found"
+            else:
+                snapshot = f"{self.host}:{cmd.vm_id}:{cmd.id}"
+                self.snapshots[snapshot] = cmd.vm_id
+                del self.vms[cmd.vm_id]
+        elif cmd.op == "adopt":
+            if vm is None:
+                outcome = "not_found"
+            else:
+                vm.owner = cmd.fence
+        result = CommandResult(
+            cmd.fence, cmd.id, cmd.op, self.host, cmd.vm_id, outcome,  # type: ignore[arg-type]
+            ip="10.0.0.1" if outcome == "ok" and cmd.op != "remove" else None, snapshot=snapshot,
+        )
+        self.results[cmd.id] = result
+        return result
+
+
+@dataclass
+class Msg:
+    """Something in flight: an input for the reconciler, or an effect waiting to be carried out."""
+
+    kind: str  # "input" | "command" | "confirm" | "write" | "timer"
+    key: str
+    payload: object
+
+
+class World:
+    def __init__(self, keys: int = 2, stale_lag: int = 3) -> None:
+        self.keys = [f"default/pod-{i}.x" for i in range(keys)]
+        self.pods: dict[str, Pod] = {}
+        self.rv = itertools.count(1)
+        self.uids = itertools.count(1)
+        self.history: dict[str, list[Observed]] = {k: [] for k in self.keys}
+        self.stale_lag = stale_lag
+        self.agents = {h: Agent(h) for h in HOSTS}
+        self.states = {k: KeyState(key=k) for k in self.keys}
+        self.log: list[LogEntry] = []
+        self.bag: list[Msg] = []
+        self.env = DecideEnv(hosts=[HostView(h, 64, 65536) for h in HOSTS], restart_backoff_base_s=0.0)
+        self.max_vms_per_key = 0
+
+    # -------------------------------------------------------------- the user and Kubernetes
+    def _observe(self, key: str, *, gone: bool = False) -> None:
+        pod = self.pods.get(key)
+        if pod is None and not gone:
+            return
+        assert pod is not None
+        obs = Observed(key, pod.uid, pod.rv, deleting=pod.deleting, gone=gone, spec=pod.spec)
+        self.history[key].append(obs)
+        self.bag.append(Msg("input", key, obs))
+
+    def create(self, key: str, spec: Spec | None = None) -> bool:
+        if key in self.pods:
+            return False
+        self.pods[key] = Pod(f"uid-{next(self.uids)}", next(self.rv), spec or Spec())
+        self._observe(key)
+        return True
+
+    def delete(self, key: str) -> None:
+        pod = self.pods.get(key)
+        if pod is not None and not pod.deleting:
+            pod.deleting, pod.rv = True, next(self.rv)
+            self._observe(key)
+
+    def force_delete(self, key: str, *, observed: bool = True) -> None:
+        pod = self.pods.pop(key, None)
+        if pod is not None and observed:
+            obs = Observed(key, pod.uid, next(self.rv), deleting=True, gone=True, spec=pod.spec)
+            self.history[key].append(obs)
+            self.bag.append(Msg("input", key, obs))
+
+    def set_hibernate(self, key: str, value: bool) -> None:
+        pod = self.pods.get(key)
+        if pod is not None and not pod.deleting and pod.spec.hibernate != value:
+            pod.spec = Spec(hibernate=value, on_recreate=pod.spec.on_recreate)
+            pod.rv = next(self.rv)
+            self._observe(key)
+
+    def stale_replay(self, key: str, back: int) -> None:
+        """Redeliver an older observation, as a lagging watch cache or a relist may."""
+        hist = self.history[key]
+        if hist:
+            self.bag.append(Msg("input", key, hist[max(0, len(hist) - 1 - back)]))
+
+    # ---------------------------------------------------------------------- agent faults
+    def crash_vm(self, key: str) -> None:
+        for agent in self.agents.values():
+            for vm in agent.vms.values():
+                if vm.key == key and vm.running:
+                    vm.running = False
+                    self.bag.append(Msg("input", key, VMExited(vm.owner, agent.host, vm.vm_id, 1)))
+                    return
+
+    def lose_vm(self, key: str) -> None:
+        for agent in self.agents.values():
+            for vm in list(agent.vms.values()):
+                if vm.key == key:
+                    del agent.vms[vm.vm_id]
+                    agent.removed.add(vm.vm_id)
+                    self.bag.append(Msg("input", key, VMGone(vm.owner, agent.host, vm.vm_id)))
+                    return
+
+    def probe(self, key: str, ready: bool) -> None:
+        for agent in self.agents.values():
+            for vm in agent.vms.values():
+                if vm.key == key and vm.running:
+                    self.bag.append(Msg("input", key, ProbeChanged(vm.owner, agent.host, vm.vm_id, ready)))
+
+    def inventory(self) -> None:
+        for agent in self.agents.values():
+            for vm in agent.vms.values():
+                self.bag.append(Msg("input", vm.key, Inventoried(vm.owner, agent.host, vm.vm_id, "running")))
+
+    # ------------------------------------------------------------------------ delivery
+    def deliver(self, index: int, *, duplicate: bool = False, drop_report: bool = False) -> None:
+        """Carry out one in-flight message. ``duplicate`` leaves it in flight (redelivery);
+        ``drop_report`` models an agent crash between effect and report: the command stays queued."""
+        if not self.bag:
+            return
+        i = index % len(self.bag)
+        msg = self.bag[i] if duplicate or (drop_report and self.bag[i].kind == "command") else self.bag.pop(i)
+        match msg.kind:
+            case "input":
+                self._decide(msg.key, msg.payload)  # type: ignore[arg-type]
+            case "command":
+                cmd: Command = msg.payload  # type: ignore[assignment]
+                result = self.agents[cmd.host].execute(cmd)
+                if not drop_report:
+                    self.bag.append(Msg("input", msg.key, result))
+            case "confirm":
+                req: ConfirmRequested = msg.payload  # type: ignore[assignment]
+                pod = self.pods.get(msg.key)
+                read = ConfirmedRead(
+                    msg.key, req.request, pod.uid if pod else None, pod.rv if pod else 0,
+                    deleting=pod.deleting if pod else False, spec=pod.spec if pod else Spec(),
+                )
+                self.bag.append(Msg("input", msg.key, read))
+            case "write":
+                self._write(msg.key, msg.payload)  # type: ignore[arg-type]
+            case "timer":
+                armed: TimerArmed = msg.payload  # type: ignore[assignment]
+                self.bag.append(Msg("input", msg.key, TimerFired(armed.fence, armed.timer_id)))
+        self._check_oracle()
+
+    def _write(self, key: str, w: KubeWrite) -> None:
+        pod = self.pods.get(key)
+        if pod is None:
+            outcome = "gone"
+        elif pod.uid != w.fence.uid:
+            outcome = "superseded"
+        else:
+            outcome = "ok"
+            if w.verb == "delete":
+                del self.pods[key]
+                obs = Observed(key, pod.uid, next(self.rv), deleting=True, gone=True, spec=pod.spec)
+                self.history[key].append(obs)
+                self.bag.append(Msg("input", key, obs))
+            elif w.verb == "evict":
+                self.delete(key)
+            elif w.verb == "status":
+                pod.rv = next(self.rv)
+                self._observe(key)
+        if w.verb != "event":
+            self.bag.append(Msg("input", key, WriteDone(w.fence, w.id, outcome)))  # type: ignore[arg-type]
+
+    def _decide(self, key: str, inp: Input) -> None:
+        s = self.states[key]
+        decisions = decide(s, inp, self.env)
+        if not decisions:
+            return
+        fold_all(s, decisions)
+        s.n += 1
+        self.log.append(LogEntry(key, s.n, decisions))
+        for d in decisions:
+            match d:
+                case Commanded(command=cmd):
+                    self.bag.append(Msg("command", key, cmd))
+                case ConfirmRequested():
+                    self.bag.append(Msg("confirm", key, d))
+                case WriteRequested(write=w):
+                    self.bag.append(Msg("write", key, w))
+                case TimerArmed():
+                    self.bag.append(Msg("timer", key, d))
+                case _:
+                    pass
+
+    def _check_oracle(self) -> None:
+        for key in self.keys:
+            n = sum(1 for a in self.agents.values() for vm in a.vms.values() if vm.key == key)
+            self.max_vms_per_key = max(self.max_vms_per_key, n)
+
+    # --------------------------------------------------------------------- quiescence
+    def settle(self, limit: int = 5000) -> None:
+        """Deliver everything in order until nothing is in flight."""
+        steps = 0
+        while self.bag:
+            steps += 1
+            if steps > limit:
+                raise AssertionError(f"no quiescence after {limit} deliveries: {self.bag[:5]}")
+            self.deliver(0)
+
+    def vms_of(self, key: str) -> list[AgentVM]:
+        return [vm for a in self.agents.values() for vm in a.vms.values() if vm.key == key]
+
+    def audit(self, final: bool = True) -> AuditReport:
+        return audit(self.log, final=final)
