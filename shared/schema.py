@@ -399,6 +399,23 @@ class LogEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     v: int = SCHEMA_VERSION
 
 
+class HostHeartbeat(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What an agent writes into the hosts bucket (key = host name) every few seconds. Liveness is
+    judged by the bucket's TTL and the KV entry's own timestamp, never by this ``at`` alone."""
+
+    host: str
+    runtime: str
+    cpus_total: int
+    cpus_free: int
+    memory_total_mib: int
+    memory_free_mib: int
+    vms: int
+    at: float  # the agent's wall clock, informational
+    ip: str | None = None
+    accel: str | None = None
+    v: int = SCHEMA_VERSION
+
+
 class DeadLetter(msgspec.Struct, frozen=True):
     reason: str
     subject: str

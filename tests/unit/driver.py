@@ -1,0 +1,82 @@
+"""A one-key driver for scenario tests: feed inputs, keep the log, find effects by type."""
+
+from __future__ import annotations
+
+from shared.decide import DecideEnv, HostView, decide
+from shared.schema import (
+    Command,
+    CommandResult,
+    Commanded,
+    ConfirmedRead,
+    ConfirmRequested,
+    Decision,
+    Input,
+    LogEntry,
+    Observed,
+    Spec,
+    TimerArmed,
+    WriteRequested,
+)
+from shared.state import KeyState, fold_all
+
+KEY = "default/web.v1"
+ENV = DecideEnv(hosts=[HostView("host-a", 8, 8192), HostView("host-b", 8, 8192)], restart_backoff_base_s=1)
+
+
+class Driver:
+    def __init__(self, key: str = KEY, env: DecideEnv = ENV) -> None:
+        self.state = KeyState(key=key)
+        self.env = env
+        self.log: list[LogEntry] = []
+        self.rv = 0
+
+    @property
+    def key(self) -> str:
+        return self.state.key
+
+    def feed(self, inp: Input) -> list[Decision]:
+        decisions = decide(self.state, inp, self.env)
+        if decisions:
+            fold_all(self.state, decisions)
+            self.state.n += 1
+            self.log.append(LogEntry(self.key, self.state.n, decisions))
+        return decisions
+
+    def next_rv(self) -> int:
+        self.rv += 1
+        return self.rv
+
+    def admit(self, uid: str, spec: Spec | None = None, *, deleting: bool = False) -> list[Decision]:
+        """Observe then confirm a uid; returns the decisions of the confirmation."""
+        rv = self.next_rv()
+        self.feed(Observed(self.key, uid, rv, spec=spec or Spec()))
+        req = self.pending(ConfirmRequested)[-1]
+        return self.feed(ConfirmedRead(self.key, req.request, uid, rv, deleting=deleting, spec=spec or Spec()))
+
+    def pending(self, kind: type) -> list:  # type: ignore[type-arg]
+        return [e for e in self.state.outbox.values() if isinstance(e, kind)]
+
+    def commands(self, op: str | None = None) -> list[Command]:
+        return [e.command for e in self.pending(Commanded) if op is None or e.command.op == op]
+
+    def answer(self, cmd: Command, outcome: str = "ok", **kw: object) -> list[Decision]:
+        return self.feed(
+            CommandResult(cmd.fence, cmd.id, cmd.op, cmd.host, cmd.vm_id, outcome, **kw)  # type: ignore[arg-type]
+        )
+
+    def run_up(self, uid: str, spec: Spec | None = None) -> Command:
+        """Admit uid and answer its create: the VM is bound."""
+        self.admit(uid, spec)
+        (create,) = self.commands("create")
+        self.answer(create, ip="10.0.0.9")
+        return create
+
+    def writes(self, verb: str) -> list[WriteRequested]:
+        return [e for e in self.pending(WriteRequested) if e.write.verb == verb]
+
+    def timers(self) -> list[TimerArmed]:
+        return self.pending(TimerArmed)
+
+
+def of(decisions: list[Decision], kind: type) -> list:  # type: ignore[type-arg]
+    return [d for d in decisions if isinstance(d, kind)]
