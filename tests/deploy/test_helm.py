@@ -59,6 +59,7 @@ VALUE_SETS: dict[str, list[str]] = {
         "--set",
         "nats.users.reconciler.password=r",
     ],
+    "sim-runtime": ["--set", "agent.runtime=sim"],
     "existing-secret-monitoring": [
         "--set",
         "nats.existingSecret=vmfence-nats",
@@ -222,7 +223,11 @@ def test_agent_daemonset(docs: list[dict[str, Any]]) -> None:
     elif any("kvm" in k for k in limits):
         assert not c["securityContext"].get("privileged")
     else:
-        assert env["VMFENCE_ACCEL"]["value"] == "tcg", "without /dev/kvm only tcg can work"
+        assert env["VMFENCE_ACCEL"]["value"] == "tcg" or env["VMFENCE_RUNTIME"]["value"] == "sim", (
+            "without /dev/kvm only tcg (or the sim runtime) can work"
+        )
+        assert not c["securityContext"].get("privileged")
+        assert c["securityContext"]["runAsNonRoot"] is True
     for probe, path in (("livenessProbe", "/livez"), ("readinessProbe", "/readyz")):
         assert c[probe]["httpGet"]["path"] == path
 

@@ -154,20 +154,31 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 async def _provision(url: str) -> None:
-    """The reconciler's own provisioning: streams and buckets (proves it may create them)."""
+    """The reconciler provisions streams and buckets: with the project's own provisioning code
+    when it exists (shared.bus.provision), else with equivalent nats-py calls."""
     nc = await nats.connect(
         url, user="reconciler", password=NATS_PASSWORD_ENV["VMFENCE_NATS_RECONCILER_PASSWORD"]
     )
     try:
         js = nc.jetstream()
-        await js.add_stream(StreamConfig(name="VMFENCE_IN", subjects=["vmfence.in.>"]))
-        await js.add_stream(StreamConfig(name="VMFENCE_LOG", subjects=["vmfence.log.>"], allow_direct=True))
-        await js.add_stream(
-            StreamConfig(name="VMFENCE_CMD", subjects=["vmfence.cmd.>"], retention=RetentionPolicy.WORK_QUEUE)
-        )
-        await js.add_stream(StreamConfig(name="VMFENCE_DLQ", subjects=["vmfence.dlq.>"]))
-        await js.create_key_value(bucket="vmfence_leases", ttl=30)
-        await js.create_key_value(bucket="vmfence_hosts", ttl=30)
+        try:
+            from shared.bus import StreamsConfig, provision
+            from shared.subjects import Subjects
+        except ImportError:
+            await js.add_stream(StreamConfig(name="VMFENCE_IN", subjects=["vmfence.in.>"]))
+            await js.add_stream(StreamConfig(name="VMFENCE_LOG", subjects=["vmfence.log.>"]))
+            await js.add_stream(
+                StreamConfig(
+                    name="VMFENCE_CMD", subjects=["vmfence.cmd.>"], retention=RetentionPolicy.WORK_QUEUE
+                )
+            )
+            await js.add_stream(StreamConfig(name="VMFENCE_DLQ", subjects=["vmfence.dlq.>"]))
+            await js.create_key_value(bucket="vmfence_leases", ttl=30)
+            await js.create_key_value(bucket="vmfence_hosts", ttl=30)
+        else:
+            cfg = StreamsConfig(replicas=1, lease_ttl_s=30, hosts_ttl_s=30)
+            await provision(js, Subjects(), cfg)
+            await provision(js, Subjects(), cfg)  # idempotent: the update path is permitted too
         # one command for each agent host
         for host in ("host-a", "host-b"):
             ack = await js.publish(
@@ -407,3 +418,63 @@ async def test_audit_reads_the_log_but_writes_nothing(nats_url: str) -> None:
             await audit.wait_violation(subject)
     finally:
         await audit.nc.close()
+
+
+async def test_project_bus_helpers_work_under_each_users_permissions(nats_url: str) -> None:
+    """The project's own bus code (shared.bus), run as the user of the service that uses it."""
+    bus = pytest.importorskip("shared.bus")
+    from shared.subjects import Key, Subjects
+
+    subjects = Subjects()
+    key = Key("pod", "default", "web.1")
+    rec = await connect(nats_url, "reconciler")
+    watcher = await connect(nats_url, "watcher")
+    agent = await connect(nats_url, "agent-host-a")
+    audit = await connect(nats_url, "audit")
+    try:
+        # watcher: observation and a dead letter
+        wjs = watcher.nc.jetstream(timeout=2)
+        await bus.publish_input(wjs, subjects.observation(key), b"pod", msg_id="uid-9:1")
+        await bus.dead_letter(wjs, subjects, source="watcher", reason="undecodable", subject="x", data=b"?")
+        # agent: a report
+        ajs = agent.nc.jetstream(timeout=2)
+        await bus.publish_input(ajs, subjects.report(key), b"started", msg_id="cmd-1:result")
+        # reconciler: fenced appends, reads, leases
+        rjs = rec.nc.jetstream(timeout=2)
+        log_subject = subjects.log(key)
+        seq1 = await bus.fenced_append(
+            rjs,
+            log_subject,
+            b"Admitted",
+            expected_last_subject_seq=0,
+            msg_id="r1:1",
+            stream=subjects.stream_log,
+        )
+        await bus.fenced_append(
+            rjs,
+            log_subject,
+            b"Placed",
+            expected_last_subject_seq=seq1,
+            msg_id="r1:2",
+            stream=subjects.stream_log,
+        )
+        last = await bus.last_on_subject(rjs, subjects.stream_log, log_subject)
+        assert last is not None and last.data == b"Placed"
+        assert [m.data async for m in bus.read_subject(rjs, subjects.stream_log, log_subject)] == [
+            b"Admitted",
+            b"Placed",
+        ]
+        assert b"Placed" in [m.data async for m in bus.read_stream(rjs, subjects.stream_log)]
+        lease = bus.PartitionLease(await rjs.key_value(subjects.kv_leases), 9, "reconciler-1")
+        rev = await lease.acquire()
+        assert rev is not None
+        rev = await lease.renew(rev)
+        assert await lease.release(rev)
+        # audit: the whole log, read only
+        xjs = audit.nc.jetstream(timeout=2)
+        assert b"Placed" in [m.data async for m in bus.read_stream(xjs, subjects.stream_log)]
+        for c in (rec, watcher, agent, audit):
+            assert not c.violations(), c.errors
+    finally:
+        for c in (rec, watcher, agent, audit):
+            await c.nc.close()
