@@ -478,3 +478,90 @@ async def test_project_bus_helpers_work_under_each_users_permissions(nats_url: s
     finally:
         for c in (rec, watcher, agent, audit):
             await c.nc.close()
+
+
+# --------------------------------------------------------------------------------------------
+# the three node configurations form a JetStream cluster (rewritten only to loopback addresses)
+
+
+def cluster_node_config(n: int, workdir: Path, ports: dict[int, tuple[int, int, int]]) -> str:
+    client, http, route = ports[n]
+    text = NODE_CONFS[n - 1].read_text()
+    text = re.sub(r"^listen:.*$", f"listen: 127.0.0.1:{client}", text, flags=re.M)
+    text = re.sub(r"^http:.*$", f"http: 127.0.0.1:{http}", text, flags=re.M)
+    text = re.sub(r"store_dir:.*$", f"store_dir: {workdir / 'js'}", text, flags=re.M)
+    text = re.sub(r"max_file_store:.*$", "max_file_store: 256MB", text, flags=re.M)
+    text, subs = re.subn(
+        r"^(\s+)listen:\s*0\.0\.0\.0:6222", rf"\g<1>listen: 127.0.0.1:{route}", text, flags=re.M
+    )
+    assert subs == 1, "cluster listen"
+    for m in (1, 2, 3):
+        text = text.replace(f"nats-route://nats-{m}:6222", f"nats-route://127.0.0.1:{ports[m][2]}")
+    rel = os.path.relpath(NATS_DIR / "accounts.conf", workdir)
+    return text.replace("include ./accounts.conf", f"include {rel}")
+
+
+@pytest.fixture
+def cluster_urls(tmp_path: Path) -> Iterator[list[str]]:
+    ports = {n: (_free_port(), _free_port(), _free_port()) for n in (1, 2, 3)}
+    procs = []
+    try:
+        for n in (1, 2, 3):
+            d = tmp_path / f"nats-{n}"
+            d.mkdir()
+            (d / "node.conf").write_text(cluster_node_config(n, d, ports))
+            with (d / "server.log").open("w") as log:
+                cmd = [NATS_SERVER, "-c", str(d / "node.conf")]
+                procs.append(subprocess.Popen(cmd, env=_server_env(), stdout=log, stderr=log))
+        yield [f"nats://127.0.0.1:{ports[n][0]}" for n in (1, 2, 3)]
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def test_three_node_cluster_from_the_node_configs(cluster_urls: list[str]) -> None:
+    async def quiet(_: Exception) -> None:
+        return None
+
+    password = NATS_PASSWORD_ENV["VMFENCE_NATS_RECONCILER_PASSWORD"]
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            nc = await nats.connect(
+                cluster_urls,
+                user="reconciler",
+                password=password,
+                error_cb=quiet,
+                connect_timeout=1,
+                max_reconnect_attempts=0,
+            )
+            break
+        except (nats.errors.Error, OSError):
+            assert time.monotonic() < deadline, "cluster did not accept connections"
+            await asyncio.sleep(0.2)
+    try:
+        js = nc.jetstream(timeout=5)
+        while True:  # until the JetStream meta leader is elected
+            try:
+                await js.add_stream(
+                    StreamConfig(name="VMFENCE_LOG", subjects=["vmfence.log.>"], num_replicas=3)
+                )
+                break
+            except (nats.errors.Error, nats.js.errors.Error):
+                assert time.monotonic() < deadline, "no JetStream meta leader"
+                await asyncio.sleep(0.3)
+        info = await js.stream_info("VMFENCE_LOG")
+        assert info.cluster is not None and info.cluster.name == "vmfence"
+        peers = {info.cluster.leader, *(p.name for p in info.cluster.replicas or [])}
+        assert peers == {"nats-1", "nats-2", "nats-3"}, "an R3 stream over the three nodes"
+        ack = await js.publish(
+            "vmfence.log.1.default.web-0", b"Admitted", headers={"Nats-Expected-Last-Subject-Sequence": "0"}
+        )
+        assert ack.seq == 1
+    finally:
+        await nc.close()
