@@ -58,6 +58,7 @@ APPEND_RETRY_BUDGET_S = 20.0  # total time spent retrying one append / publish
 BACKOFF_BASE_S = 0.02
 BACKOFF_MAX_S = 0.5
 READ_TIMEOUT_S = 5.0  # one get / one pull batch
+READ_STALL_S = 2 * READ_TIMEOUT_S  # no message nor status: the server or connection is gone
 READ_BATCH = 2048  # messages per pull request in read_stream
 READ_CONSUMER_IDLE_S = 30.0  # the server deletes an abandoned read consumer after this
 LEASE_ACQUIRE_ATTEMPTS = 4  # create/get/update races inside one acquire()
@@ -67,7 +68,7 @@ DAY_S = 86_400.0
 
 def backoff_delay(attempt: int) -> float:
     """Exponential backoff with equal jitter, capped at BACKOFF_MAX_S (attempt counts from 0)."""
-    cap = min(BACKOFF_MAX_S, BACKOFF_BASE_S * float(2**attempt))
+    cap = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2.0 ** min(attempt, 32))  # no float overflow
     return cap / 2 + float(random.uniform(0, cap / 2))
 
 
@@ -401,7 +402,7 @@ async def read_stream(
         inactive_threshold=READ_CONSUMER_IDLE_S,
         mem_storage=True,
         num_replicas=1,
-        max_waiting=4,
+        max_waiting=16,
     )
     cinfo = await js._jsm.add_consumer(stream, config=cfg, timeout=READ_TIMEOUT_S)
     consumer = cinfo.name
@@ -434,19 +435,24 @@ async def read_stream(
                 wake.clear()
                 if not buf:
                     try:
-                        await asyncio.wait_for(wake.wait(), READ_TIMEOUT_S)
+                        await asyncio.wait_for(wake.wait(), READ_STALL_S)
                     except TimeoutError:
-                        raise TimeoutError(
-                            f"read_stream {stream}: no message within {READ_TIMEOUT_S}s"
-                        ) from None
+                        raise TimeoutError(f"read_stream {stream}: nothing within {READ_STALL_S}s") from None
             msg = buf.popleft()
-            if not msg.reply:  # status message: 408 request expired / 404 / 409
+            if not msg.reply:  # a status message, not a stored one
                 status = msg.headers.get("Status") if msg.headers else None
-                if status in ("404", "408"):
-                    outstanding = 0
-                    await request(batch)
-                    outstanding = batch
+                if status in ("404", "408"):  # a pull request ran out: how much of it was unfilled?
+                    unfilled = msg.headers.get("Nats-Pending-Messages") if msg.headers else None
+                    outstanding = max(0, outstanding - int(unfilled)) if unfilled else 0
+                    ci = await js._jsm.consumer_info(stream, consumer, timeout=READ_TIMEOUT_S)
+                    if not ci.num_pending:
+                        return  # the rest was removed (age/limits) since the call started
+                    if outstanding <= batch // 2:
+                        await request(batch)
+                        outstanding += batch
                     continue
+                if status == "409" and "Max" in (msg.headers or {}).get("Description", ""):
+                    continue  # e.g. Exceeded MaxWaiting: an extra request was refused, others stand
                 raise nats.js.errors.APIError.from_msg(msg)
             outstanding -= 1
             if outstanding <= batch // 2:

@@ -16,6 +16,7 @@ from shared.bus import (
     connect,
     fenced_append,
     provision,
+    read_stream,
     read_subject,
 )
 from shared.natsserver import NatsCluster, start_cluster
@@ -146,3 +147,8 @@ async def test_appends_survive_leader_kill_and_restart(cluster: NatsCluster, cli
         # contiguous per-subject chain: each entry was appended on top of the previous one
         parents = [int(m.headers[H_PARENT]) for m in entries]
         assert parents == [0] + [m.seq for m in entries[:-1]]
+    # The bulk reader sees the same log: every entry once, in stream order.
+    everything = [m async for m in read_stream(js, LOG, subjects.log_all)]
+    assert len(everything) == len(keys) * per_key
+    assert [m.seq for m in everything] == sorted(m.seq for m in everything)
+    assert len({(m.subject, m.data) for m in everything}) == len(everything)

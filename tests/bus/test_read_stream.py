@@ -7,8 +7,10 @@ import contextlib
 import time
 from typing import Any
 
+import pytest
 from nats.js import JetStreamContext
 
+from shared import bus
 from shared.bus import read_stream, read_subject
 from shared.subjects import Subjects
 
@@ -107,3 +109,22 @@ async def test_bench_read_stream_rate(provisioned: JetStreamContext) -> None:
     t2 = time.perf_counter()
     assert count == n
     print(f"\npipelined publish: {n / (t1 - t0):,.0f} msg/s; read_stream: {n / (t2 - t1):,.0f} msg/s")
+
+
+async def test_tail_removed_while_reading(
+    provisioned: JetStreamContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Messages deleted after the call started are skipped and the read still ends."""
+    monkeypatch.setattr(bus, "READ_TIMEOUT_S", 0.5)  # short pull expiry: any 408 path runs fast
+    js = provisioned
+    await fill(js, ["vmfence.in.0.pod.a.b"], 100)
+    got = []
+    async with contextlib.aclosing(read_stream(js, IN, batch=8)) as reader:
+        async for m in reader:
+            if m.seq == 1:
+                for seq in range(60, 101):
+                    await js.delete_msg(IN, seq)
+            got.append(m.seq)
+    print(f"\nread {len(got)} after deleting the tail")
+    assert got[:50] == list(range(1, 51))
+    assert set(got) <= set(range(1, 101)) and len(got) == len(set(got)) and got == sorted(got)
