@@ -1,5 +1,8 @@
 """The qemu driver against real QEMU processes (TCG unless a test says otherwise)."""
 
+# Tests read small local files, poll with bounded sleeps and run qemu directly on purpose:
+# ruff: noqa: ASYNC109, ASYNC110, ASYNC220, ASYNC221, ASYNC240
+
 from __future__ import annotations
 
 import asyncio
