@@ -199,3 +199,9 @@ def test_check_expr_rejects_unknown_metrics() -> None:
         check_expr("rate(vmfence_made_up_total[5m])", "self-test")
     with pytest.raises(AssertionError):
         check_expr('sum(vmfence_vms{colour="red"})', "self-test")
+
+
+def test_operations_md_documents_every_metric() -> None:
+    ops = (DOCS / "operations.md").read_text()
+    for name in METRICS:
+        assert f"`{name}`" in ops, f"docs/operations.md: metric table lacks {name}"
