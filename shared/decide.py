@@ -481,10 +481,10 @@ def _on_exited(run: _Run, e: VMExited) -> None:
     s = run.s
     rec = s.vms.get(e.vm_id)
     cur = s.cur
-    if rec is None or rec.fence != e.fence:
+    if rec is None or rec.fence != e.fence or cur is None or cur.fence != e.fence:
         _skip_foreign(run, e.fence, f"exit of {e.vm_id}")
         return
-    if cur is None or cur.fence != rec.fence or cur.vm_id != e.vm_id or rec.state != "running":
+    if cur.vm_id != e.vm_id or rec.state != "running":
         return  # an exit while it is being removed/hibernated is expected
     policy = cur.spec.restart_policy
     if policy == "Always" or (policy == "OnFailure" and (e.exit_code or 0) != 0):

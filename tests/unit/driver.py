@@ -5,8 +5,8 @@ from __future__ import annotations
 from shared.decide import DecideEnv, HostView, decide
 from shared.schema import (
     Command,
-    CommandResult,
     Commanded,
+    CommandResult,
     ConfirmedRead,
     ConfirmRequested,
     Decision,

@@ -1,0 +1,288 @@
+"""One test per fence rule of DESIGN.md that lives in the pure core. Each drives ``decide`` through
+the situation the rule exists for and fails if the rule's row is taken out of the table."""
+
+from __future__ import annotations
+
+from shared.audit import audit
+from shared.decide import DecideEnv, decide
+from shared.schema import (
+    Admitted,
+    Bound,
+    Commanded,
+    ConfirmedRead,
+    ConfirmRequested,
+    DeleteClaimed,
+    Done,
+    EvictionDeferred,
+    EvictionRequested,
+    Failed,
+    Fence,
+    Forgotten,
+    Inventoried,
+    Observed,
+    ProbeChanged,
+    Released,
+    Restarting,
+    Skipped,
+    Spec,
+    Superseded,
+    TimerArmed,
+    TimerFired,
+    VMExited,
+    VMGone,
+    WriteDone,
+    WriteRequested,
+)
+from shared.state import KeyState, fold_all
+from tests.unit.driver import KEY, Driver, of
+
+
+def test_rule2_claim_before_bring_up() -> None:
+    d = Driver()
+    first = d.feed(Observed(KEY, "u1", 1))
+    assert of(first, Commanded) == [], "an observation alone must never start a VM"
+    assert len(of(first, ConfirmRequested)) == 1
+    decisions = d.feed(ConfirmedRead(KEY, of(first, ConfirmRequested)[0].request, "u1", 1))
+    kinds = [type(x).__name__ for x in decisions]
+    assert kinds.index("Admitted") < kinds.index("Commanded")
+    (create,) = d.commands("create")
+    assert create.fence == Fence(KEY, "u1", 1)
+
+
+def test_rule2_failed_bring_up_releases_only_its_own_claim() -> None:
+    d = Driver()
+    d.admit("u1")
+    (create1,) = d.commands("create")
+    d.admit("u2")  # u1 superseded while its create is in flight; its VM must be removed first
+    assert d.state.cur is not None and d.state.cur.fence.uid == "u2"
+    out = d.answer(create1, "failed", error="boom")
+    released = of(out, Released)
+    assert [r.fence.uid for r in released] == ["u1"]
+    assert d.state.cur.fence.uid == "u2"
+    assert d.commands("create") and d.commands("create")[0].fence.uid == "u2"
+
+
+def test_rule3_supersede_only_on_a_confirmed_read() -> None:
+    d = Driver()
+    d.run_up("u1")
+    out = d.feed(Observed(KEY, "u2", d.next_rv()))
+    assert of(out, Superseded) == [] and of(out, Admitted) == []
+    assert d.state.cur is not None and d.state.cur.fence.uid == "u1", "a watch event must not supersede"
+    req = d.pending(ConfirmRequested)[-1]
+    out = d.feed(ConfirmedRead(KEY, req.request, "u2", d.next_rv()))
+    assert [s.fence.uid for s in of(out, Superseded)] == ["u1"]
+    assert of(out, Admitted)[0].fence == Fence(KEY, "u2", 2)
+    # every later input for u1 is skipped as superseded, logged, never applied
+    late = d.feed(ProbeChanged(Fence(KEY, "u1", 1), "host-a", "x", True))
+    assert [s.reason for s in of(late, Skipped)] == ["superseded"]
+    late = d.feed(Observed(KEY, "u1", d.next_rv(), deleting=True))
+    assert [s.reason for s in of(late, Skipped)] == ["superseded"]
+
+
+def test_rule3_a_stale_consistent_answer_never_resurrects_an_older_uid() -> None:
+    d = Driver()
+    d.feed(Observed(KEY, "u1", 1))
+    d.feed(Observed(KEY, "u2", 5))
+    r1, r2 = d.pending(ConfirmRequested)
+    d.feed(ConfirmedRead(KEY, r2.request, "u2", 5))  # the later read answered first
+    out = d.feed(ConfirmedRead(KEY, r1.request, "u1", 1))
+    assert of(out, Admitted) == []
+    assert d.state.cur is not None and d.state.cur.fence.uid == "u2"
+
+
+def test_rule4_reports_for_a_fence_that_is_not_current_are_skipped() -> None:
+    d = Driver()
+    create = d.run_up("u1")
+    old = create.fence
+    d.admit("u2")
+    for late in (
+        ProbeChanged(old, "host-a", create.vm_id, True),
+        VMExited(old, "host-a", create.vm_id, 1),
+    ):
+        out = d.feed(late)
+        assert of(out, Restarting) == [] and of(out, Bound) == []
+        assert any(s.reason == "superseded" for s in of(out, Skipped))
+
+
+def test_rule4_every_command_carries_the_current_fence() -> None:
+    d = Driver()
+    d.run_up("u1")
+    d.admit("u2")
+    (remove,) = d.commands("remove")
+    assert remove.fence.uid == "u1", "cleanup of the predecessor's VM carries the predecessor's fence"
+    d.answer(remove)
+    (create,) = d.commands("create")
+    assert create.fence == d.state.cur.fence  # type: ignore[union-attr]
+    assert audit(d.log, final=False).clean
+
+
+def test_rule5_delete_claims_in_order() -> None:
+    d = Driver()
+    create = d.run_up("u1")
+    # delete of u1 -> claim and remove
+    out = d.feed(Observed(KEY, "u1", d.next_rv(), deleting=True))
+    assert of(out, DeleteClaimed) and len(d.commands("remove")) == 1
+    # the same delete again while in flight -> wait (skipped), no second remove
+    out = d.feed(Observed(KEY, "u1", d.next_rv(), deleting=True))
+    assert [s.reason for s in of(out, Skipped)] == ["delete_in_flight"]
+    assert len(d.commands("remove")) == 1
+    # remove done -> final delete with the uid precondition
+    d.answer(d.commands("remove")[0])
+    (final,) = d.writes("delete")
+    assert final.write.fence.uid == "u1"
+    assert create.fence.uid == "u1"
+
+
+def test_rule5_superseded_delete_touches_no_fence() -> None:
+    d = Driver()
+    d.run_up("u1")
+    d.admit("u2")
+    d.answer(d.commands("remove")[0])
+    d.answer(d.commands("create")[0])
+    before = d.state.cur
+    out = d.feed(Observed(KEY, "u1", d.next_rv(), deleting=True, gone=True))
+    assert [s.reason for s in of(out, Skipped)] == ["superseded"]
+    assert of(out, DeleteClaimed) == [] and of(out, Commanded) == []
+    assert d.state.cur == before and not d.state.cur.delete_claim  # type: ignore[union-attr]
+
+
+def test_rule6_conflict_means_superseded_and_not_found_means_gone() -> None:
+    d = Driver()
+    d.run_up("u1")
+    (status,) = d.writes("status")
+    out = d.feed(WriteDone(status.write.fence, status.write.id, "superseded"))
+    assert of(out, ConfirmRequested), "Conflict/Invalid on a uid write asks who owns the name now"
+    assert of(out, Commanded) == [], "and destroys nothing on its own"
+    d2 = Driver()
+    d2.run_up("u1")
+    (status,) = d2.writes("status")
+    out = d2.feed(WriteDone(status.write.fence, status.write.id, "gone"))
+    assert of(out, DeleteClaimed) and [c.command.op for c in of(out, Commanded)] == ["remove"]
+    assert d2.state.cur is not None, "the VM binding is kept until the delete path removes the VM"
+
+
+def test_rule7_exit_restarts_with_backoff_and_never_fails_on_policy_never() -> None:
+    d = Driver()
+    create = d.run_up("u1")
+    out = d.feed(VMExited(create.fence, create.host, create.vm_id, 1))
+    (restart,) = of(out, Restarting)
+    assert restart.restart_count == 1 and restart.backoff_s == 1
+    (timer,) = of(out, TimerArmed)
+    out = d.feed(VMExited(create.fence, create.host, create.vm_id, 1))
+    assert of(out, Restarting) == [], "one exit, one restart"
+    out = d.feed(TimerFired(create.fence, timer.timer_id))
+    assert [c.command.op for c in of(out, Commanded)] == ["start"]
+    d.answer(d.commands("start")[0])
+    out = d.feed(VMExited(create.fence, create.host, create.vm_id, 1))
+    assert of(out, Restarting)[0].backoff_s == 2, "exponential backoff"
+    never = Driver()
+    c = never.run_up("u1", Spec(restart_policy="Never"))
+    out = never.feed(VMExited(c.fence, c.host, c.vm_id, 3))
+    assert of(out, Failed) and [x.command.op for x in of(out, Commanded)] == ["remove"]
+
+
+def test_rule7_vm_gone_evicts_with_uid_precondition_or_defers_under_a_delete_claim() -> None:
+    d = Driver()
+    c = d.run_up("u1")
+    out = d.feed(VMGone(c.fence, c.host, c.vm_id))
+    assert of(out, EvictionRequested)
+    (evict,) = [w for w in of(out, WriteRequested) if w.write.verb == "evict"]
+    assert evict.write.fence.uid == "u1"
+    # under a delete claim: deferred, and resolved (not dropped) when the delete completes
+    d2 = Driver()
+    c = d2.run_up("u1")
+    d2.feed(Observed(KEY, "u1", d2.next_rv(), deleting=True))
+    out = d2.feed(VMGone(c.fence, c.host, c.vm_id))
+    assert of(out, EvictionDeferred) and of(out, EvictionRequested) == []
+    out = d2.answer(d2.commands("remove")[0], "not_found")
+    (final,) = d2.writes("delete")
+    out = d2.feed(WriteDone(final.write.fence, final.write.id, "ok"))
+    assert any(x.effect_id == f"eviction:{c.vm_id}" for x in of(out, Done)), "deferred, never dropped"
+    assert of(out, Forgotten)
+
+
+def test_rule7_vm_gone_of_a_superseded_incarnation_never_evicts_the_successor() -> None:
+    d = Driver()
+    c1 = d.run_up("u1")
+    d.admit("u2")
+    out = d.feed(VMGone(c1.fence, c1.host, c1.vm_id))
+    assert of(out, EvictionRequested) == []
+    assert all(w.write.verb != "evict" for w in of(out, WriteRequested))
+
+
+def test_rule8_adopt_only_after_the_agent_confirms() -> None:
+    d = Driver()
+    c1 = d.run_up("u1")
+    out = d.admit("u2", Spec(on_recreate="adopt"))
+    assert [c.command.op for c in of(out, Commanded)] == ["adopt"], "adopt asks the runtime first"
+    assert of(out, Bound) == []
+    (adopt,) = d.commands("adopt")
+    out = d.answer(adopt, "inconclusive")
+    assert of(out, Bound) == [] and of(out, TimerArmed), "an inconclusive inspect is retried, not trusted"
+    timer = d.timers()[0]
+    d.feed(TimerFired(timer.fence, timer.timer_id))
+    (adopt,) = d.commands("adopt")
+    out = d.answer(adopt, "not_found")
+    assert of(out, Released) and [c.command.op for c in of(out, Commanded)] == ["create"]
+    assert c1.vm_id not in d.state.vms
+
+
+def test_rule8_inventory_adopts_own_and_removes_foreign_vms() -> None:
+    d = Driver()
+    d.admit("u1")
+    d.answer(d.commands("create")[0], "failed")  # log now believes u1 has no VM
+    out = d.feed(Inventoried(Fence(KEY, "u0", 0), "host-b", "stray-vm", "running"))
+    assert [(c.command.op, c.command.vm_id) for c in of(out, Commanded)] == [("remove", "stray-vm")]
+
+
+def test_rule10_hibernation_survives_a_restart_and_wakes_from_the_snapshot() -> None:
+    d = Driver()
+    c = d.run_up("u1")
+    d.feed(Observed(KEY, "u1", d.next_rv(), spec=Spec(hibernate=True)))
+    (hib,) = d.commands("hibernate")
+    d.answer(hib, snapshot="/snapshots/x.mig")
+    # a restarted reconciler re-derives state from the log alone
+    rebuilt = KeyState(key=KEY)
+    for entry in d.log:
+        fold_all(rebuilt, entry.decisions)
+        rebuilt.n = entry.n
+    assert rebuilt == d.state
+    d.state = rebuilt
+    out = d.feed(Observed(KEY, "u1", d.next_rv(), spec=Spec(hibernate=False)))
+    ops = [x.command for x in of(out, Commanded)]
+    assert [x.op for x in ops] == ["wake"] and ops[0].snapshot == "/snapshots/x.mig"
+    assert ops[0].vm_id != c.vm_id, "a restored VM is a new VM; names are never reused"
+
+
+def test_rule11_command_ids_are_deterministic_and_redelivery_changes_nothing() -> None:
+    a, b = Driver(), Driver()
+    ca, cb = a.run_up("u1"), b.run_up("u1")
+    assert ca.id == cb.id
+    again = a.answer(ca, ip="10.0.0.9")
+    assert again == [], "a redelivered result is dropped"
+    for inp in (Observed(KEY, "u1", 1),):
+        assert decide(a.state, inp) == []
+
+
+def test_rule12_timers_only_trigger_rechecks() -> None:
+    d = Driver(env=DecideEnv(hosts=()))  # no host fits: placement waits on a timer
+    out = d.admit("u1")
+    assert [s.reason for s in of(out, Skipped)] == ["no_host"]
+    (timer,) = d.timers()
+    out = d.feed(TimerFired(timer.fence, timer.timer_id))
+    assert of(out, Commanded) == [] and of(out, Failed) == [], "a timer re-checks, never destroys"
+    assert [s.reason for s in of(out, Skipped)] == ["no_host"]
+
+
+def test_replay_rederives_the_writers_state_exactly() -> None:
+    d = Driver()
+    c = d.run_up("u1")
+    d.feed(VMExited(c.fence, c.host, c.vm_id, 1))
+    d.admit("u2", Spec(on_recreate="adopt"))
+    d.answer(d.commands("adopt")[0])
+    replayed = KeyState(key=KEY)
+    for entry in d.log:
+        fold_all(replayed, entry.decisions)
+        replayed.n = entry.n
+    assert replayed == d.state
+    assert audit(d.log).clean
