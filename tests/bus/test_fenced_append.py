@@ -94,8 +94,7 @@ async def test_old_retry_under_newer_entry_is_lost_race(
     subj = subject_for(subjects, "old")
     s1 = await fenced_append(js, subj, b"1", expected_last_subject_seq=0, msg_id="o1", stream=LOG)
     await fenced_append(js, subj, b"2", expected_last_subject_seq=s1, msg_id="o2", stream=LOG)
-    # Within the dedupe window the server answers a re-sent o1 as a duplicate... on R1 the sequence
-    # check runs first, so it is 10071 and o1 is not on top: the writer must re-read.
+    # A different entry written against the stale expected seq 0: 10071, and the top is not ours.
     with pytest.raises(LostRace):
         await fenced_append(js, subj, b"1", expected_last_subject_seq=0, msg_id="o1-other", stream=LOG)
 
@@ -185,7 +184,7 @@ async def test_rule1_writers_never_fork(nats_url: str, subjects: Subjects) -> No
             _, _, parent = m.data.split(b":")
             assert int(parent) == prev, "entry was not appended on top of its predecessor"
             prev = m.seq
-        assert sum(losses) >= 0
+        print(f"\nlost races re-read and retried: {losses}")
     finally:
         for nc in clients:
             await nc.close()

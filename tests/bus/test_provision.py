@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 
 import pytest
 from nats.js import JetStreamContext, api
@@ -88,3 +90,40 @@ async def test_custom_prefix(js: JetStreamContext) -> None:
     info = await js.stream_info("OTHER_LOG")
     assert info.config.subjects == ["other.log.>"]
     assert info.config.storage == api.StorageType.MEMORY
+
+
+PROVISION_SCRIPT = """
+import asyncio, sys
+from shared.bus import StreamsConfig, connect, provision
+from shared.subjects import Subjects
+
+async def main() -> None:
+    nc = await connect(sys.argv[1], name="proc", max_reconnect_attempts=2)
+    try:
+        for _ in range(3):
+            await provision(nc.jetstream(), Subjects(), StreamsConfig())
+    finally:
+        await nc.close()
+
+asyncio.run(main())
+"""
+SUBPROCESS_TIMEOUT_S = 60.0
+REPO = Path(__file__).resolve().parents[2]
+
+
+async def test_concurrent_provision_from_two_processes(nats_url: str) -> None:
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-c", PROVISION_SCRIPT, nats_url, stderr=asyncio.subprocess.PIPE, cwd=REPO
+        )
+        for _ in range(2)
+    ]
+    for p in procs:
+        _, err = await asyncio.wait_for(p.communicate(), SUBPROCESS_TIMEOUT_S)
+        assert p.returncode == 0, err.decode()
+    nc = await connect(nats_url, name="check", max_reconnect_attempts=2)
+    try:
+        info = await nc.jetstream().stream_info("VMFENCE_LOG")
+        assert info.config.metadata is not None and info.config.metadata[META_PARTITIONS] == "16"
+    finally:
+        await nc.close()
