@@ -420,7 +420,7 @@ async def read_stream(
         wake.set()
 
     sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=batch * 4)
-    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+    next_subject = f"{js._prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"  # honours domains
     expires_ns = int(READ_TIMEOUT_S * 1e9)
 
     async def request(n: int) -> None:
