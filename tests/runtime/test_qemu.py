@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -79,8 +80,10 @@ async def bare_qemu_to_running(tmp: Path) -> float:
         while (await qmp.execute("query-status"))["status"] != "running":  # type: ignore[index]
             await asyncio.sleep(0.002)
         dt = time.perf_counter() - t0
-        await qmp.execute("quit")
-        await qmp.disconnect()
+        with contextlib.suppress(Exception):  # QEMU may hang up before or after answering quit
+            await qmp.execute("quit")
+        with contextlib.suppress(Exception):
+            await qmp.disconnect()
         return dt
     finally:
         if proc.poll() is None:
