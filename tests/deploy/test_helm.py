@@ -73,6 +73,8 @@ VALUE_SETS: dict[str, list[str]] = {
         "agent.kvm.mode=none",
         "--set",
         "agent.accel=tcg",
+        "--set",
+        "nats.tlsCASecret=nats-ca",
     ],
 }
 

@@ -62,6 +62,11 @@ app.kubernetes.io/component: {{ .component }}
   value: {{ $ctx.Values.httpPort | quote }}
 - name: VMFENCE_LOG_FORMAT
   value: {{ $ctx.Values.logFormat | quote }}
+{{- if $ctx.Values.nats.tlsCASecret }}
+# trust the NATS servers' CA for tls:// URLs (Python's default SSL context reads SSL_CERT_FILE)
+- name: SSL_CERT_FILE
+  value: /etc/vmfence/nats-tls/ca.crt
+{{- end }}
 {{- with $ctx.Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
