@@ -1,0 +1,32 @@
+"""The Prometheus metrics the core emits, defined once per process (services in one process —
+the demo, tests — share them and tell themselves apart by labels)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+DECISIONS = Counter("vmfence_decisions_total", "Decisions appended to the log", ["type"])
+INPUTS = Counter("vmfence_inputs_total", "Inputs consumed by reconcilers", ["kind", "result"])
+POD_LIFECYCLE = Counter(
+    "vmfence_pod_lifecycle_total",
+    "Lifecycle steps per key, including every input skipped as superseded",
+    ["op", "result", "reason"],
+)
+APPEND_SECONDS = Histogram(
+    "vmfence_append_seconds",
+    "Fenced append latency",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+LOST_RACES = Counter("vmfence_append_lost_races_total", "Appends that lost the expected-sequence race")
+PARTITIONS_OWNED = Gauge("vmfence_partitions_owned", "Partitions this reconciler holds", ["reconciler"])
+LEASE_LOST = Counter("vmfence_lease_lost_total", "Partition leases lost while held", ["reconciler"])
+DEAD_LETTERS = Counter("vmfence_dead_letters_total", "Messages parked in the DLQ", ["reason"])
+EFFECT_SECONDS = Histogram(
+    "vmfence_effect_seconds",
+    "Time to carry out one effect",
+    ["kind"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+K8S_WRITES = Counter("vmfence_k8s_writes_total", "Kubernetes writes by outcome", ["verb", "result"])
+CONSUMER_PENDING = Gauge("vmfence_consumer_pending", "Unprocessed inputs per partition", ["partition"])
+AUDIT_VIOLATIONS = Counter("vmfence_audit_violations_total", "Violations found by audits in this process")
