@@ -1,0 +1,285 @@
+"""Pods and VirtualMachine objects → validated :class:`shared.schema.Spec` and observations.
+
+Pure functions over the Kubernetes JSON form of an object (camelCase dicts, as the API server sends
+them). Invalid user input never raises: it yields a best-effort ``Spec`` (defaults where a field was
+rejected) plus a message naming each rejected field and the values it accepts, e.g.
+``vmfence.io/cpus: "lots" is not an integer between 1 and 64``. The reconciler turns that message
+into a Warning Event and a ``vmfence.io/SpecValid=False`` condition.
+
+Which pods are vmfence's ("ours"):
+
+- ``spec.nodeName`` starts with ``vmfence-`` (the pod was bound to one of our virtual Nodes), or
+- the pod carries the label ``vmfence.io/managed=true``.
+
+Everything else is ignored (``pod_observation`` returns ``None``).
+
+Memory accepts ``<n>`` (MiB), ``<n>Ki`` (a whole number of MiB), ``<n>Mi``, ``<n>Gi`` or ``<n>Ti``,
+between 16 MiB and 1 TiB. A bare number means MiB for annotations *and* for VirtualMachine objects.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Final, cast
+
+from shared.schema import Observed, RecreatePolicy, RestartPolicy, Spec
+from shared.subjects import Key
+
+PREFIX: Final = "vmfence.io/"
+ANN_IMAGE: Final = "vmfence.io/image"
+ANN_CPUS: Final = "vmfence.io/cpus"
+ANN_MEMORY: Final = "vmfence.io/memory"
+ANN_HIBERNATE: Final = "vmfence.io/hibernate"
+ANN_ON_RECREATE: Final = "vmfence.io/on-recreate"
+ANN_PROBE_PORT: Final = "vmfence.io/probe-port"
+LABEL_MANAGED: Final = "vmfence.io/managed"
+NODE_PREFIX: Final = "vmfence-"
+
+VM_GROUP: Final = "vmfence.io"
+VM_VERSION: Final = "v1alpha1"
+VM_PLURAL: Final = "virtualmachines"
+
+CPUS_MIN: Final = 1
+CPUS_MAX: Final = 64
+MEMORY_MIN_MIB: Final = 16
+MEMORY_MAX_MIB: Final = 1024 * 1024
+PORT_MIN: Final = 1
+PORT_MAX: Final = 65535
+RESTART_POLICIES: Final[tuple[RestartPolicy, ...]] = ("Always", "OnFailure", "Never")
+RECREATE_POLICIES: Final[tuple[RecreatePolicy, ...]] = ("replace", "adopt")
+
+_INT = re.compile(r"^[0-9]+$")
+_MEMORY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?$")
+_MEMORY_FACTOR_KIB: Final = {"Ki": 1, "Mi": 1024, "Gi": 1024**2, "Ti": 1024**3}
+
+MEMORY_ACCEPTED: Final = (
+    f"a size like 512Mi, 1Gi or 256 (MiB) between {MEMORY_MIN_MIB}Mi and {MEMORY_MAX_MIB // 1024**2}Ti"
+)
+
+JSON = dict[str, Any]
+
+
+class SpecError(ValueError):
+    """One rejected field; ``str()`` is the user-facing message."""
+
+
+def _q(value: object) -> str:
+    """Quote a value for a message the way the user wrote it."""
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
+
+def _dict(value: object) -> JSON:
+    return cast(JSON, value) if isinstance(value, dict) else {}
+
+
+# ---------------------------------------------------------------------------------- field parsers
+
+
+def parse_int(field: str, value: object, lo: int, hi: int) -> int:
+    """An integer in [lo, hi], given as an int or a string of digits."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, str) and _INT.fullmatch(value.strip()):
+        n = int(value.strip())
+    else:
+        raise SpecError(f"{field}: {_q(value)} is not an integer between {lo} and {hi}")
+    if not lo <= n <= hi:
+        raise SpecError(f"{field}: {_q(value)} is not an integer between {lo} and {hi}")
+    return n
+
+
+def parse_memory(field: str, value: object) -> int:
+    """Memory in MiB from ``<n>`` (MiB), ``<n>Ki``/``Mi``/``Gi``/``Ti`` (or a JSON integer, MiB)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        mib = value
+    elif isinstance(value, str) and (m := _MEMORY.fullmatch(value.strip())):
+        n, unit = int(m.group(1)), m.group(2) or "Mi"
+        kib = n * _MEMORY_FACTOR_KIB[unit]
+        if kib % 1024:
+            raise SpecError(f"{field}: {_q(value)} is not a whole number of MiB; expected {MEMORY_ACCEPTED}")
+        mib = kib // 1024
+    else:
+        raise SpecError(f"{field}: {_q(value)} is not {MEMORY_ACCEPTED}")
+    if not MEMORY_MIN_MIB <= mib <= MEMORY_MAX_MIB:
+        raise SpecError(f"{field}: {_q(value)} is out of range; expected {MEMORY_ACCEPTED}")
+    return mib
+
+
+def parse_bool(field: str, value: object) -> bool:
+    """``true`` or ``false`` (case-insensitive), or a JSON boolean."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise SpecError(f"{field}: {_q(value)} is not one of true, false")
+
+
+def parse_image(field: str, value: object) -> str:
+    """A non-empty image reference without whitespace."""
+    if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value.strip()):
+        raise SpecError(f"{field}: {_q(value)} is not an image reference (a non-empty string without spaces)")
+    return value.strip()
+
+
+def parse_restart_policy(field: str, value: object) -> RestartPolicy:
+    if isinstance(value, str) and value in RESTART_POLICIES:
+        return value
+    raise SpecError(f"{field}: {_q(value)} is not one of {', '.join(RESTART_POLICIES)}")
+
+
+def parse_recreate_policy(field: str, value: object) -> RecreatePolicy:
+    if isinstance(value, str) and value.strip() in RECREATE_POLICIES:
+        return cast(RecreatePolicy, value.strip())
+    raise SpecError(f"{field}: {_q(value)} is not one of {', '.join(RECREATE_POLICIES)}")
+
+
+# ----------------------------------------------------------------------------------------- specs
+
+
+class _Collector:
+    """Gathers accepted fields and error messages; never raises."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, Any] = {}
+        self.errors: list[str] = []
+
+    def take(self, name: str, parse: Any, *args: Any) -> None:
+        try:
+            self.fields[name] = parse(*args)
+        except SpecError as exc:
+            self.errors.append(str(exc))
+
+    def result(self) -> tuple[Spec, str | None]:
+        return Spec(**self.fields), ("; ".join(self.errors) if self.errors else None)
+
+
+def spec_of_pod(pod: JSON) -> tuple[Spec, str | None]:
+    """Spec from the pod's vmfence.io annotations and ``spec.restartPolicy``.
+
+    Absent annotations take Spec's defaults; ``image`` stays ``None`` when not annotated (the
+    runtime picks its default image). Returns ``(spec, invalid)`` with ``invalid`` naming every
+    rejected field, or ``None``.
+    """
+    ann = _dict(_dict(pod.get("metadata")).get("annotations"))
+    spec = _dict(pod.get("spec"))
+    c = _Collector()
+    if ANN_IMAGE in ann:
+        c.take("image", parse_image, ANN_IMAGE, ann[ANN_IMAGE])
+    if ANN_CPUS in ann:
+        c.take("cpus", parse_int, ANN_CPUS, ann[ANN_CPUS], CPUS_MIN, CPUS_MAX)
+    if ANN_MEMORY in ann:
+        c.take("memory_mib", parse_memory, ANN_MEMORY, ann[ANN_MEMORY])
+    if ANN_HIBERNATE in ann:
+        c.take("hibernate", parse_bool, ANN_HIBERNATE, ann[ANN_HIBERNATE])
+    if ANN_ON_RECREATE in ann:
+        c.take("on_recreate", parse_recreate_policy, ANN_ON_RECREATE, ann[ANN_ON_RECREATE])
+    if ANN_PROBE_PORT in ann:
+        c.take("probe_port", parse_int, ANN_PROBE_PORT, ann[ANN_PROBE_PORT], PORT_MIN, PORT_MAX)
+    if spec.get("restartPolicy") is not None:
+        c.take("restart_policy", parse_restart_policy, "spec.restartPolicy", spec["restartPolicy"])
+    return c.result()
+
+
+def spec_of_vm(obj: JSON) -> tuple[Spec, str | None]:
+    """Spec from a VirtualMachine's ``spec`` (cpus, memory, image, restartPolicy, hibernated,
+    hostSelector). ``image`` is required; an empty hostSelector means any host."""
+    spec = _dict(obj.get("spec"))
+    c = _Collector()
+    if "image" in spec:
+        c.take("image", parse_image, "spec.image", spec["image"])
+    else:
+        c.errors.append("spec.image: is required (an image reference)")
+    if spec.get("cpus") is not None:
+        c.take("cpus", parse_int, "spec.cpus", spec["cpus"], CPUS_MIN, CPUS_MAX)
+    if spec.get("memory") is not None:
+        c.take("memory_mib", parse_memory, "spec.memory", spec["memory"])
+    if spec.get("restartPolicy") is not None:
+        c.take("restart_policy", parse_restart_policy, "spec.restartPolicy", spec["restartPolicy"])
+    if spec.get("hibernated") is not None:
+        c.take("hibernate", parse_bool, "spec.hibernated", spec["hibernated"])
+    sel = spec.get("hostSelector")
+    if sel not in (None, ""):
+        if isinstance(sel, str) and sel.strip() and not any(ch.isspace() for ch in sel.strip()):
+            c.fields["host_selector"] = sel.strip()
+        else:
+            c.errors.append(f"spec.hostSelector: {_q(sel)} is not a host name (a string without spaces)")
+    return c.result()
+
+
+# ------------------------------------------------------------------------------ keys, ownership
+
+
+def _meta(obj: JSON) -> JSON:
+    return _dict(obj.get("metadata"))
+
+
+def key_of_pod(pod: JSON) -> Key:
+    m = _meta(pod)
+    return Key("pod", str(m.get("namespace") or "default"), str(m["name"]))
+
+
+def key_of_vm(obj: JSON) -> Key:
+    m = _meta(obj)
+    return Key("vm", str(m.get("namespace") or "default"), str(m["name"]))
+
+
+def is_ours(pod: JSON) -> bool:
+    """nodeName ``vmfence-*`` or label ``vmfence.io/managed=true``."""
+    node = _dict(pod.get("spec")).get("nodeName")
+    if isinstance(node, str) and node.startswith(NODE_PREFIX):
+        return True
+    labels = _dict(_meta(pod).get("labels"))
+    return str(labels.get(LABEL_MANAGED, "")).lower() == "true"
+
+
+def resource_version(obj: JSON) -> int:
+    """metadata.resourceVersion as an int (0 when absent or not numeric)."""
+    rv = _meta(obj).get("resourceVersion")
+    try:
+        return int(str(rv))
+    except ValueError:
+        return 0
+
+
+def uid_of(obj: JSON) -> str:
+    return str(_meta(obj).get("uid") or "")
+
+
+def deleting(obj: JSON) -> bool:
+    return bool(_meta(obj).get("deletionTimestamp"))
+
+
+def pod_observation(pod: JSON, *, gone: bool = False) -> Observed | None:
+    """The Observed input for a pod, or None for pods that are not vmfence's."""
+    if not is_ours(pod):
+        return None
+    spec, invalid = spec_of_pod(pod)
+    node = _dict(pod.get("spec")).get("nodeName")
+    return Observed(
+        key=str(key_of_pod(pod)),
+        uid=uid_of(pod),
+        resource_version=resource_version(pod),
+        deleting=deleting(pod),
+        gone=gone,
+        spec=spec,
+        invalid=invalid,
+        node=node if isinstance(node, str) and node else None,
+    )
+
+
+def vm_observation(obj: JSON, *, gone: bool = False) -> Observed:
+    """The Observed input for a VirtualMachine object (every one is vmfence's)."""
+    spec, invalid = spec_of_vm(obj)
+    return Observed(
+        key=str(key_of_vm(obj)),
+        uid=uid_of(obj),
+        resource_version=resource_version(obj),
+        deleting=deleting(obj),
+        gone=gone,
+        spec=spec,
+        invalid=invalid,
+    )
