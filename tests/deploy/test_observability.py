@@ -42,6 +42,8 @@ LABELS: dict[str, set[str]] = {
     "vmfence_k8s_writes_total": {"verb", "result"},
     "vmfence_consumer_pending": {"partition"},
     "vmfence_effect_seconds": {"kind"},
+    "vmfence_partitions_owned": {"reconciler"},
+    "vmfence_lease_lost_total": {"reconciler"},
 }
 REQUIRED_ALERTS = {
     "VmfenceAuditViolation": "critical",
@@ -205,3 +207,22 @@ def test_operations_md_documents_every_metric() -> None:
     ops = (DOCS / "operations.md").read_text()
     for name in METRICS:
         assert f"`{name}`" in ops, f"docs/operations.md: metric table lacks {name}"
+
+
+def test_metric_table_matches_the_projects_definitions() -> None:
+    """Metrics the project defines in shared.metrics have the names, types and labels assumed here."""
+    metrics = pytest.importorskip("shared.metrics")
+    from prometheus_client.metrics import MetricWrapperBase
+
+    seen = 0
+    for obj in vars(metrics).values():
+        if not isinstance(obj, MetricWrapperBase):
+            continue
+        (desc,) = obj.describe()
+        name = f"{desc.name}_total" if desc.type == "counter" else desc.name
+        if name not in METRICS:
+            continue
+        seen += 1
+        assert desc.type == METRICS[name], f"{name}: {desc.type}, the dashboards assume {METRICS[name]}"
+        assert set(obj._labelnames) == LABELS.get(name, set()), f"{name}: labels {obj._labelnames}"
+    assert seen, "shared.metrics defines none of the metrics"
