@@ -58,6 +58,9 @@ app.kubernetes.io/component: {{ .component }}
   value: {{ $ctx.Values.partitions | quote }}
 - name: VMFENCE_REPLICAS
   value: {{ $ctx.Values.replicas | quote }}
+# probes and Prometheus reach the pod IP: listen on all interfaces
+- name: VMFENCE_HTTP_HOST
+  value: "0.0.0.0"
 - name: VMFENCE_HTTP_PORT
   value: {{ $ctx.Values.httpPort | quote }}
 - name: VMFENCE_LOG_FORMAT
