@@ -428,6 +428,7 @@ async def read_stream(
 
     try:
         outstanding = 0  # messages requested and not yet received
+        no_responders = Retry()
         await request(batch)
         outstanding += batch
         while True:
@@ -450,6 +451,14 @@ async def read_stream(
                     if outstanding <= batch // 2:
                         await request(batch)
                         outstanding += batch
+                    continue
+                if status == "503":  # no responders: a new R1 consumer not yet live on its node
+                    outstanding = max(0, outstanding - batch)
+                    log.debug("read_stream %s: pull request had no responders; retrying", stream)
+                    if not await no_responders.backoff():
+                        raise nats.js.errors.APIError.from_msg(msg)
+                    await request(batch)
+                    outstanding += batch
                     continue
                 if status == "409" and "Max" in (msg.headers or {}).get("Description", ""):
                     continue  # e.g. Exceeded MaxWaiting: an extra request was refused, others stand
