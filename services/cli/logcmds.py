@@ -1,0 +1,155 @@
+"""`vmfence replay`, `export` and `decisions`: reading, auditing and following the decision log."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+
+import msgspec
+from rich.console import Console
+from rich.table import Table
+
+from services.cli.common import CliError, open_bus
+from shared.audit import AuditReport, Auditor
+from shared.decisions import EXPORT_MAGIC, Filter, Record, encode_record, follow_log, iter_export, read_log
+from shared.schema import Commanded, Decision, Skipped, decision_name
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("replay", help="fold the whole log and check the invariants (exit 1 on a violation)")
+    p.add_argument("--nats", help="NATS URL (default: VMFENCE_NATS_URL or the local stack)")
+    p.add_argument("--file", help="replay an export file instead of JetStream")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML audit report")
+    p.add_argument("--not-final", action="store_true", help="the system is still running: skip end checks")
+    p.set_defaults(run=replay)
+
+    p = sub.add_parser("export", help="write the whole log to a file that `replay --file` reads")
+    p.add_argument("--nats")
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(run=export)
+
+    p = sub.add_parser("decisions", help="print decisions from the log, optionally following it")
+    p.add_argument("--nats")
+    p.add_argument("--key")
+    p.add_argument("--namespace")
+    p.add_argument("--host")
+    p.add_argument("--since", type=float, metavar="SECONDS", help="start this many seconds back (with --follow)")
+    p.add_argument("--follow", "-f", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=decisions)
+
+
+async def _records(args: argparse.Namespace) -> list[Record]:
+    if args.file:
+        try:
+            with open(args.file, "rb") as f:
+                return list(iter_export(f.read()))
+        except (OSError, ValueError) as exc:
+            raise CliError(f"cannot read {args.file}: {exc}") from None
+    bus = await open_bus(args.nats, "vmfence-replay")
+    try:
+        return [r async for r in read_log(bus.js, bus.subjects)]
+    finally:
+        await bus.close()
+
+
+def audit_records(records: list[Record], *, final: bool = True) -> AuditReport:
+    auditor = Auditor()
+    for rec in records:
+        auditor.feed(rec.entry, rec.seq)
+    return auditor.report(final=final)
+
+
+async def replay(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    records = await _records(args)
+    report = audit_records(records, final=not args.not_final)
+    seconds = time.perf_counter() - start
+    if args.html:
+        from services.cli.report import write_html
+
+        write_html(args.html, records, report)
+    if args.json:
+        out = msgspec.to_builtins(report)
+        out["clean"] = report.clean
+        out["seconds"] = round(seconds, 3)
+        sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
+    else:
+        _print_report(report, seconds)
+    return 0 if report.clean else 1
+
+
+def _print_report(report: AuditReport, seconds: float) -> None:
+    console = Console()
+    table = Table(title="vmfence audit", show_header=False)
+    table.add_row("keys", str(report.keys))
+    table.add_row("entries", str(report.entries))
+    table.add_row("decisions", str(report.decisions))
+    table.add_row("VMs created / released", f"{report.vms_created} / {report.vms_released}")
+    table.add_row("VMs bound to live incarnations", str(report.vms_bound_live))
+    for reason, n in sorted(report.skipped.items()):
+        table.add_row(f"skipped: {reason}", str(n))
+    verdict = "[green]clean[/green]" if report.clean else f"[red]{len(report.violations)} violation(s)[/red]"
+    table.add_row("verdict", verdict)
+    table.add_row("seconds", f"{seconds:.2f}")
+    console.print(table)
+    for v in report.violations:
+        console.print(f"[red]VIOLATION[/red] {v.rule}: key {v.key} entry {v.n}"
+                      + (f" (stream seq {v.seq})" if v.seq else "") + f": {v.message}")
+
+
+async def export(args: argparse.Namespace) -> int:
+    bus = await open_bus(args.nats, "vmfence-export")
+    n = 0
+    try:
+        with open(args.output, "wb") as f:
+            f.write(EXPORT_MAGIC)
+            async for rec in read_log(bus.js, bus.subjects):
+                f.write(encode_record(rec))
+                n += 1
+    except OSError as exc:
+        raise CliError(f"cannot write {args.output}: {exc}") from None
+    finally:
+        await bus.close()
+    print(f"exported {n} entries to {args.output}", file=sys.stderr)
+    return 0
+
+
+def describe(d: Decision) -> str:
+    name = decision_name(d)
+    match d:
+        case Commanded(command=c):
+            return f"{name} {c.op} {c.vm_id} on {c.host} [{c.fence.uid[:8]}/e{c.fence.epoch}]"
+        case Skipped(reason=r, uid=uid, detail=detail):
+            return f"{name}({r}) {uid or ''} {detail}".rstrip()
+    fence = getattr(d, "fence", None)
+    extra = " ".join(
+        str(getattr(d, f)) for f in ("vm_id", "host", "reason", "snapshot") if getattr(d, f, None)
+    )
+    tag = f" [{fence.uid[:8]}/e{fence.epoch}]" if fence is not None else ""
+    return f"{name}{(' ' + extra) if extra else ''}{tag}"
+
+
+async def decisions(args: argparse.Namespace) -> int:
+    flt = Filter(key=args.key, namespace=args.namespace, host=args.host)
+    bus = await open_bus(args.nats, "vmfence-decisions")
+    console = Console()
+    try:
+        if args.follow:
+            source = follow_log(bus.js, bus.subjects, flt, since_s=args.since)
+        else:
+            source = read_log(bus.js, bus.subjects, flt)
+        async with contextlib.aclosing(source) as records:
+            async for rec in records:
+                if args.json:
+                    sys.stdout.write(msgspec.json.encode(rec).decode() + "\n")
+                    sys.stdout.flush()
+                else:
+                    for d in rec.entry.decisions:
+                        console.print(f"{rec.seq:>8} {rec.entry.key}#{rec.entry.n} {describe(d)}", highlight=False)
+    finally:
+        await bus.close()
+    return 0

@@ -1,0 +1,174 @@
+"""Carrying out effects: commands to agents, Kubernetes writes, consistent reads, timers.
+
+Effects of one key run in log order (a consistent read answered later must never overtake one
+answered earlier); different keys run concurrently on a bounded set of workers. Every effect is
+idempotent and its outcome comes back as an input on the key's report subject, so a crash at any
+point is repaired by re-deriving the outbox from state and running it again (rule 11).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+
+from services.reconciler.kube import KubeGateway
+from shared import metrics
+from shared.bus import publish_input
+from shared.schema import (
+    Commanded,
+    ConfirmRequested,
+    TimerArmed,
+    TimerFired,
+    WriteDone,
+    WriteRequested,
+    encode,
+)
+from shared.state import Effect
+from shared.subjects import Key, Subjects
+
+log = logging.getLogger(__name__)
+
+RETRY_DELAY_S = 1.0  # after a failed publish/write, before trying the effect again
+QUEUE_LIMIT_PER_KEY = 10_000
+
+
+@dataclass(frozen=True)
+class _Fire:
+    timer: TimerArmed
+
+
+Work = Effect | _Fire
+
+
+class EffectRunner:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        subjects: Subjects,
+        gateway: KubeGateway,
+        *,
+        workers: int = 64,
+        owns: Callable[[int], bool] = lambda p: True,
+    ) -> None:
+        self.js = js
+        self.subjects = subjects
+        self.gateway = gateway
+        self.workers = workers
+        self.owns = owns
+        self._queues: dict[str, collections.deque[Work]] = {}
+        self._ready: asyncio.Queue[str] = asyncio.Queue()
+        self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._busy = 0
+
+    def submit(self, key: str, effect: Work) -> None:
+        q = self._queues.get(key)
+        if q is None:
+            q = self._queues[key] = collections.deque()
+            self._ready.put_nowait(key)
+        if len(q) >= QUEUE_LIMIT_PER_KEY:
+            log.error("effect queue full; dropping (the outbox re-derives it)", extra={"key": key})
+            return
+        q.append(effect)
+        self.idle.clear()
+
+    def submit_all(self, key: str, effects: list[Effect]) -> None:
+        for e in effects:
+            if isinstance(e, TimerArmed):
+                self._arm(key, e)
+            else:
+                self.submit(key, e)
+
+    def _arm(self, key: str, timer: TimerArmed) -> None:
+        handle_key = (key, timer.timer_id)
+        if handle_key in self._timers:
+            return
+        loop = asyncio.get_running_loop()
+
+        def fire() -> None:
+            self._timers.pop(handle_key, None)
+            self.submit(key, _Fire(timer))
+
+        self._timers[handle_key] = loop.call_later(max(0.0, timer.delay_s), fire)
+
+    def cancel_partition(self, partition: int) -> None:
+        for (key, tid), handle in list(self._timers.items()):
+            if self.subjects.partition(key) == partition:
+                handle.cancel()
+                del self._timers[(key, tid)]
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(self.workers):
+                tg.create_task(self._worker())
+
+    def close(self) -> None:
+        for handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self._ready.get()
+            q = self._queues.get(key)
+            self._busy += 1
+            try:
+                while q:
+                    work = q[0]
+                    partition = self.subjects.partition(key)
+                    if not self.owns(partition):
+                        q.clear()  # the new owner re-derives these from the log
+                        break
+                    try:
+                        await self._execute(Key.parse(key), work)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as exc:
+                        log.warning("effect failed, retrying: %r", exc, extra={"key": key})
+                        await asyncio.sleep(RETRY_DELAY_S)
+                        continue
+                    q.popleft()
+            finally:
+                self._busy -= 1
+                self._queues.pop(key, None)
+                if not self._queues and self._busy == 0:
+                    self.idle.set()
+
+    async def _execute(self, key: Key, work: Work) -> None:
+        start = time.perf_counter()
+        kind = type(work).__name__
+        match work:
+            case Commanded(command=cmd):
+                await publish_input(self.js, self.subjects.command(cmd.host), encode(cmd), msg_id=cmd.id)
+                kind = f"command_{cmd.op}"
+            case ConfirmRequested(request=req):
+                read = await self.gateway.confirm(key, req)
+                await publish_input(
+                    self.js, self.subjects.report(key), encode(read), msg_id=f"{key}|{req}"
+                )
+                kind = "confirm"
+            case WriteRequested(write=w):
+                done: WriteDone = await self.gateway.write(key, w)
+                metrics.K8S_WRITES.labels(w.verb, done.outcome).inc()
+                if w.verb != "event":
+                    await publish_input(
+                        self.js, self.subjects.report(key), encode(done), msg_id=f"{key}|{w.id}"
+                    )
+                kind = f"write_{w.verb}"
+            case _Fire(timer=t):
+                fired = TimerFired(t.fence, t.timer_id)
+                await publish_input(
+                    self.js, self.subjects.report(key), encode(fired), msg_id=f"{key}|{t.timer_id}"
+                )
+                kind = "timer"
+            case TimerArmed():
+                self._arm(str(key), work)
+                return
+        metrics.EFFECT_SECONDS.labels(kind).observe(time.perf_counter() - start)

@@ -1,0 +1,92 @@
+"""The fleet as the reconciler sees it: agent heartbeats from the hosts bucket, plus what this
+reconciler has placed since each heartbeat (so a burst of placements spreads instead of piling
+onto the host that looked emptiest a moment ago)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.js.kv import KeyValue
+
+from shared.decide import HostView
+from shared.schema import HostHeartbeat
+
+log = logging.getLogger(__name__)
+
+_decoder = msgspec.json.Decoder(HostHeartbeat)
+
+
+@dataclass
+class _Host:
+    beat: HostHeartbeat
+    seen: float  # monotonic time of the last heartbeat received
+    placed_vms: int = 0
+    placed_cpus: int = 0
+    placed_mib: int = 0
+
+
+@dataclass
+class HostsView:
+    stale_after_s: float = 15.0
+    hosts: dict[str, _Host] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def update(self, beat: HostHeartbeat) -> None:
+        self.hosts[beat.host] = _Host(beat, time.monotonic())
+        self.changed.set()
+
+    def remove(self, host: str) -> None:
+        self.hosts.pop(host, None)
+
+    def placed(self, host: str, cpus: int, memory_mib: int) -> None:
+        h = self.hosts.get(host)
+        if h is not None:
+            h.placed_vms += 1
+            h.placed_cpus += cpus
+            h.placed_mib += memory_mib
+
+    def live(self) -> list[HostView]:
+        now = time.monotonic()
+        return [
+            HostView(
+                name=name,
+                cpus_free=h.beat.cpus_free - h.placed_cpus,
+                memory_free_mib=h.beat.memory_free_mib - h.placed_mib,
+                vms=h.beat.vms + h.placed_vms,
+            )
+            for name, h in sorted(self.hosts.items())
+            if now - h.seen < self.stale_after_s
+        ]
+
+    def ages(self) -> list[tuple[HostHeartbeat, float]]:
+        now = time.monotonic()
+        return [(h.beat, now - h.seen) for h in self.hosts.values()]
+
+    async def watch(self, kv: KeyValue) -> None:
+        """Follow the hosts bucket until cancelled; reconnects are the client's business."""
+        while True:
+            try:
+                watcher = await kv.watchall()
+                async for entry in watcher:
+                    if entry is None:
+                        continue  # end of the initial values
+                    if entry.operation in ("DEL", "PURGE") or not entry.value:
+                        self.remove(entry.key)
+                        continue
+                    try:
+                        self.update(_decoder.decode(entry.value))
+                    except msgspec.DecodeError as exc:
+                        log.warning("bad heartbeat for %s: %s", entry.key, exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the watch died (server restart): start it again
+                log.warning("hosts watch restarting: %r", exc)
+                await asyncio.sleep(1.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()  # type: ignore[possibly-undefined]

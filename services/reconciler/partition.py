@@ -1,0 +1,314 @@
+"""One owned partition: its keys' states, its input consumer, and the fenced appends to the log.
+
+Inputs of one key are handled strictly in stream order (a FIFO lock per key); different keys run
+concurrently up to ``MAX_INFLIGHT``. Appends for one key are awaited one at a time; a lost race
+means someone else wrote the key's log: re-read it, re-fold, decide again (rule 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+
+from services.reconciler.effects import EffectRunner
+from services.reconciler.snapshot import SnapshotStore
+from shared import metrics
+from shared.bus import LostRace, dead_letter, fenced_append, read_stream, read_subject
+from shared.decide import DecideEnv, decide
+from shared.schema import (
+    Commanded,
+    ConfirmRequested,
+    Input,
+    LogEntry,
+    Placed,
+    Skipped,
+    TimerArmed,
+    WriteRequested,
+    decision_name,
+    decode_entry,
+    decode_input,
+    encode,
+)
+from shared.state import Effect, KeyState, fold_all
+from shared.subjects import Key, Subjects
+
+log = logging.getLogger(__name__)
+
+MAX_INFLIGHT = 1024  # inputs being handled at once in one partition
+MAX_RACE_RETRIES = 8  # lost races on one input before giving up (and not acking it)
+FETCH_TIMEOUT_S = 1.0
+
+
+@dataclass
+class KeySlot:
+    state: KeyState
+    last_seq: int = 0  # stream sequence of the key's last log entry (0: none)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    dirty: bool = False
+
+
+def _input_kind(inp: Input) -> str:
+    return type(inp).__struct_config__.tag  # type: ignore[return-value]
+
+
+class Partition:
+    def __init__(
+        self,
+        p: int,
+        *,
+        js: JetStreamContext,
+        subjects: Subjects,
+        writer: str,
+        effects: EffectRunner,
+        snapshots: SnapshotStore | None,
+        env: Callable[[], DecideEnv],
+        on_placed: Callable[[str, int, int], None] = lambda host, cpus, mib: None,
+        ack_wait_s: float = 10.0,
+        max_ack_pending: int = 4096,
+        fetch_batch: int = 256,
+    ) -> None:
+        self.p = p
+        self.js = js
+        self.subjects = subjects
+        self.writer = writer
+        self.effects = effects
+        self.snapshots = snapshots
+        self.env = env
+        self.on_placed = on_placed
+        self.ack_wait_s = ack_wait_s
+        self.max_ack_pending = max_ack_pending
+        self.fetch_batch = fetch_batch
+        self.keys: dict[str, KeySlot] = {}
+        self.held = True  # cleared the moment the lease is lost: no append after that
+        self._max_seen = 0  # highest log sequence this partition has folded
+        self._inflight_floors: Counter[int] = Counter()
+        self.stats: Counter[str] = Counter()
+
+    # ----------------------------------------------------------------------------- loading
+    async def load(self) -> None:
+        """Snapshot rows, then every log entry of this partition after the snapshot's watermark."""
+        watermark = 0
+        if self.snapshots is not None:
+            watermark, rows = await self.snapshots.load_partition(self.p)
+            for key, (state, seq) in rows.items():
+                self.keys[key] = KeySlot(state, seq)
+                self._max_seen = max(self._max_seen, seq)
+        self._max_seen = max(self._max_seen, watermark)
+        caught = 0
+        async for msg in read_stream(
+            self.js, self.subjects.stream_log, self.subjects.log_partition(self.p), start_seq=watermark + 1
+        ):
+            entry = decode_entry(msg.data)
+            slot = self._slot(entry.key)
+            if entry.n <= slot.state.n:
+                continue
+            if entry.n != slot.state.n + 1:
+                log.error(
+                    "gap in log: entry %d after %d; rebuilding key from its log", entry.n, slot.state.n,
+                    extra={"key": entry.key, "partition": self.p},
+                )
+                await self._reload(slot, full=True)
+                continue
+            fold_all(slot.state, entry.decisions)
+            slot.state.n, slot.last_seq, slot.dirty = entry.n, msg.seq, True
+            self._max_seen = max(self._max_seen, msg.seq)
+            caught += 1
+        self.stats["caught_up"] = caught
+        # the outbox: effects decided but maybe not carried out before a crash or handover
+        for key, slot in self.keys.items():
+            if slot.state.outbox:
+                self.effects.submit_all(key, list(slot.state.outbox.values()))
+
+    def _slot(self, key: str) -> KeySlot:
+        slot = self.keys.get(key)
+        if slot is None:
+            slot = self.keys[key] = KeySlot(KeyState(key=key))
+        return slot
+
+    async def _reload(self, slot: KeySlot, *, full: bool = False) -> None:
+        """Re-read one key's log (after a lost race, or from scratch if ours is not a prefix)."""
+        key = slot.state.key
+        subject = self.subjects.log(_key(key))
+        if full:
+            slot.state, slot.last_seq = KeyState(key=key), 0
+        async for msg in read_subject(self.js, self.subjects.stream_log, subject, after_seq=slot.last_seq):
+            entry = decode_entry(msg.data)
+            if entry.n != slot.state.n + 1:
+                if not full:
+                    await self._reload(slot, full=True)
+                    return
+                log.error("gap in log of %s at entry %d", key, entry.n, extra={"key": key})
+            fold_all(slot.state, entry.decisions)
+            slot.state.n, slot.last_seq, slot.dirty = entry.n, msg.seq, True
+            self._max_seen = max(self._max_seen, msg.seq)
+
+    # ------------------------------------------------------------------------ consuming
+    async def run(self) -> None:
+        cfg = api.ConsumerConfig(
+            durable_name=f"reconciler-p{self.p}",
+            filter_subject=self.subjects.in_partition(self.p),
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait_s,
+            max_ack_pending=self.max_ack_pending,
+            deliver_policy=api.DeliverPolicy.ALL,
+            max_deliver=-1,
+        )
+        psub = await self.js.pull_subscribe(
+            self.subjects.in_partition(self.p),
+            durable=f"reconciler-p{self.p}",
+            stream=self.subjects.stream_in,
+            config=cfg,
+        )
+        sem = asyncio.Semaphore(MAX_INFLIGHT)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                while self.held:
+                    try:
+                        msgs = await psub.fetch(self.fetch_batch, timeout=FETCH_TIMEOUT_S)
+                    except (nats.errors.TimeoutError, TimeoutError):
+                        continue
+                    except nats.errors.ConnectionClosedError:
+                        return
+                    for m in msgs:
+                        await sem.acquire()
+                        tg.create_task(self._handle_released(m, sem))
+                    if msgs and msgs[-1].metadata.num_pending is not None:
+                        metrics.CONSUMER_PENDING.labels(str(self.p)).set(msgs[-1].metadata.num_pending)
+        finally:
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+
+    async def _handle_released(self, msg: Msg, sem: asyncio.Semaphore) -> None:
+        try:
+            await self.handle(msg)
+        finally:
+            sem.release()
+
+    async def handle(self, msg: Msg) -> None:
+        try:
+            inp = decode_input(msg.data)
+            key = str(self.subjects.key_of_in_subject(msg.subject))
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, UnicodeDecodeError) as exc:
+            await self._dead_letter(msg, f"undecodable input: {exc}")
+            return
+        inp_key = getattr(inp, "key", None) or getattr(getattr(inp, "fence", None), "key", None)
+        if inp_key != key:
+            await self._dead_letter(msg, f"input for key {inp_key!r} on the subject of {key!r}")
+            return
+        slot = self._slot(key)
+        async with slot.lock:
+            if not self.held:
+                return  # not acked: the partition's next owner gets it
+            done = await self._process(slot, inp, msg)
+        if done:
+            with contextlib.suppress(nats.errors.Error):
+                await msg.ack()
+
+    async def _dead_letter(self, msg: Msg, reason: str) -> None:
+        log.warning("dead letter: %s", reason, extra={"partition": self.p})
+        metrics.DEAD_LETTERS.labels(reason.split(":")[0]).inc()
+        await dead_letter(
+            self.js, self.subjects, source="reconciler", reason=reason, subject=msg.subject,
+            data=msg.data, headers=msg.headers,
+        )
+        await msg.ack()
+
+    async def _process(self, slot: KeySlot, inp: Input, msg: Msg | None) -> bool:
+        kind = _input_kind(inp)
+        key = slot.state.key
+        for _ in range(MAX_RACE_RETRIES):
+            decisions = decide(slot.state, inp, self.env())
+            if not decisions:
+                metrics.INPUTS.labels(kind, "dropped").inc()
+                self.stats["dropped"] += 1
+                return True
+            entry = LogEntry(key, slot.state.n + 1, decisions, input=kind, writer=self.writer)
+            floor = self._max_seen
+            self._inflight_floors[floor] += 1
+            start = time.perf_counter()
+            try:
+                if not self.held:
+                    return False
+                seq = await fenced_append(
+                    self.js,
+                    self.subjects.log(_key(key)),
+                    encode(entry),
+                    expected_last_subject_seq=slot.last_seq,
+                    msg_id=f"{key}#{entry.n}@{self.writer}",
+                    stream=self.subjects.stream_log,
+                )
+            except LostRace as race:
+                metrics.LOST_RACES.inc()
+                self.stats["lost_races"] += 1
+                log.info("lost append race; re-reading key", extra={"key": key, "partition": self.p})
+                full = race.actual_last_seq is None or race.actual_last_seq < slot.last_seq
+                await self._reload(slot, full=full)
+                continue
+            finally:
+                self._inflight_floors[floor] -= 1
+                if self._inflight_floors[floor] <= 0:
+                    del self._inflight_floors[floor]
+            metrics.APPEND_SECONDS.observe(time.perf_counter() - start)
+            fold_all(slot.state, decisions)
+            slot.state.n, slot.last_seq, slot.dirty = entry.n, seq, True
+            self._max_seen = max(self._max_seen, seq)
+            metrics.INPUTS.labels(kind, "decided").inc()
+            self.stats["entries"] += 1
+            self.stats["decisions"] += len(decisions)
+            self._after_append(key, decisions)
+            return True
+        log.error("gave up after %d lost races", MAX_RACE_RETRIES, extra={"key": key})
+        return False
+
+    def _after_append(self, key: str, decisions: list) -> None:  # type: ignore[type-arg]
+        effects: list[Effect] = []
+        for d in decisions:
+            name = decision_name(d)
+            metrics.DECISIONS.labels(name).inc()
+            match d:
+                case Skipped(reason=reason):
+                    metrics.POD_LIFECYCLE.labels("input", "skipped", reason).inc()
+                case Placed(host=host):
+                    cur = self.keys[key].state.cur
+                    if cur is not None:
+                        self.on_placed(host, cur.spec.cpus, cur.spec.memory_mib)
+                    metrics.POD_LIFECYCLE.labels("place", "ok", "").inc()
+                case Commanded() | ConfirmRequested() | WriteRequested() | TimerArmed():
+                    effects.append(d)
+                case _:
+                    pass
+        if effects:
+            self.effects.submit_all(key, effects)
+
+    # ------------------------------------------------------------------------ snapshots
+    def snapshot_rows(self) -> tuple[list[tuple[str, int, KeyState]], int]:
+        """Dirty rows and a watermark below which every entry of this partition is in them."""
+        watermark = min(self._inflight_floors) if self._inflight_floors else self._max_seen
+        rows: list[tuple[str, int, KeyState]] = []
+        for key, slot in self.keys.items():
+            if slot.dirty:
+                rows.append((key, slot.last_seq, msgspec.msgpack.decode(
+                    msgspec.msgpack.encode(slot.state), type=KeyState)))
+                slot.dirty = False
+        return rows, watermark
+
+    async def flush(self) -> None:
+        if self.snapshots is None:
+            return
+        rows, watermark = self.snapshot_rows()
+        if rows or watermark:
+            await self.snapshots.save(self.p, rows, watermark)
+
+
+def _key(text: str) -> Key:
+    return Key.parse(text)

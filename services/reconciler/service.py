@@ -1,0 +1,269 @@
+"""The reconciler process: partition leases, one Partition per lease held, effects, snapshots.
+
+Partitions are shared fairly among live reconcilers: each registers a member entry in the leases
+bucket, takes free partitions up to its fair share, and hands back surplus when others join. A
+lease is renewed by compare-and-set on its KV revision; the moment a renewal fails the partition
+stops appending (its fenced appends would fail anyway: rule 1 does not depend on the lease).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import signal
+import sys
+
+import nats.errors
+import nats.js.errors
+from nats.js.kv import KeyValue
+
+from services.reconciler.config import ConfigError, ReconcilerConfig, parse
+from services.reconciler.effects import EffectRunner
+from services.reconciler.hosts import HostsView
+from services.reconciler.kube import KubeGateway
+from services.reconciler.partition import Partition
+from services.reconciler.snapshot import SnapshotStore
+from shared import metrics
+from shared.bus import Bus, LeaseLost, PartitionLease, StreamsConfig, provision
+from shared.decide import DecideEnv
+from shared.httpserve import HealthServer
+from shared.logs import setup_logging
+from shared.subjects import Subjects
+
+log = logging.getLogger(__name__)
+
+MEMBER_PREFIX = "member."
+FLEET_LEASE = "fleet"
+SNAPSHOT_STOP_TIMEOUT_S = 10.0
+
+
+class Reconciler:
+    def __init__(
+        self,
+        cfg: ReconcilerConfig,
+        *,
+        gateway: KubeGateway | None = None,
+        health: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.writer = cfg.owner_id()
+        self.subjects = Subjects(cfg.prefix, cfg.partitions)
+        self._gateway = gateway
+        self._health_enabled = health
+        self.partitions: dict[int, Partition] = {}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._leases: dict[int, PartitionLease] = {}
+        self.hosts = HostsView(stale_after_s=cfg.host_stale_s)
+        self._stop = asyncio.Event()
+        self.ready = asyncio.Event()
+        self.bus: Bus | None = None
+        self.health: HealthServer | None = None
+        self.effects: EffectRunner | None = None
+        self.snapshots: SnapshotStore | None = None
+
+    # ------------------------------------------------------------------ environment
+    def env(self) -> DecideEnv:
+        return DecideEnv(
+            hosts=self.hosts.live(),
+            restart_backoff_base_s=self.cfg.restart_backoff_base_s,
+            writer=self.writer,
+        )
+
+    def owns(self, p: int) -> bool:
+        part = self.partitions.get(p)
+        return part is not None and part.held
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # --------------------------------------------------------------------------- run
+    async def run(self) -> None:
+        cfg = self.cfg
+        self.bus = bus = await Bus.open(
+            cfg.nats_url, name=f"vmfence-reconciler-{self.writer}", subjects=self.subjects,
+            user=cfg.nats_user, password=cfg.nats_password, creds=cfg.nats_creds,
+        )
+        try:
+            await provision(
+                bus.js, self.subjects,
+                StreamsConfig(replicas=cfg.replicas, partitions=cfg.partitions, lease_ttl_s=cfg.lease_ttl_s),  # type: ignore[arg-type]
+            )
+            info = await bus.js.stream_info(self.subjects.stream_log)
+            identity = f"{info.config.name}:{info.created}" if hasattr(info, "created") else info.config.name or ""
+            self.snapshots = SnapshotStore(os.path.join(cfg.data_dir, f"snapshot-{self.safe_id()}.sqlite"))
+            await self.snapshots.open(stream_identity=str(identity))
+            gateway = self._gateway or await _default_gateway(cfg)
+            self.effects = EffectRunner(bus.js, self.subjects, gateway, workers=cfg.effect_workers, owns=self.owns)
+            leases_kv = await bus.js.key_value(self.subjects.kv_leases)
+            hosts_kv = await bus.js.key_value(self.subjects.kv_hosts)
+            if self._health_enabled:
+                self.health = HealthServer(host=cfg.http_host, port=cfg.http_port, ready=self.ready.is_set)
+                await self.health.start()
+            async with asyncio.TaskGroup() as tg:
+                hosts_task = tg.create_task(self.hosts.watch(hosts_kv))
+                effects_task = tg.create_task(self.effects.run())
+                snap_task = tg.create_task(self._snapshot_loop())
+                lease_task = tg.create_task(self._lease_loop(leases_kv, tg))
+                await self._stop.wait()
+                lease_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await lease_task
+                await self._release_all()
+                snap_task.cancel()
+                hosts_task.cancel()
+                effects_task.cancel()
+                self.effects.close()
+            with contextlib.suppress(Exception):
+                await leases_kv.delete(MEMBER_PREFIX + self.safe_id())
+            if self._gateway is None:
+                await gateway.close()
+        finally:
+            if self.health is not None:
+                await self.health.stop()
+            if self.snapshots is not None:
+                await self.snapshots.close()
+            await bus.close()
+
+    def safe_id(self) -> str:
+        return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in self.writer)
+
+    # ------------------------------------------------------------------------ leases
+    async def _lease_loop(self, kv: KeyValue, tg: asyncio.TaskGroup) -> None:
+        interval = max(0.2, self.cfg.lease_ttl_s / 3)
+        member = PartitionLease(kv, MEMBER_PREFIX + self.safe_id(), self.writer, ttl_hint_s=self.cfg.lease_ttl_s)
+        while True:
+            try:
+                await self._lease_round(kv, member, tg)
+            except asyncio.CancelledError:
+                raise
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+                log.warning("lease round failed: %r", exc)
+            await asyncio.sleep(interval)
+
+    async def _lease_round(self, kv: KeyValue, member: PartitionLease, tg: asyncio.TaskGroup) -> None:
+        # membership: how many reconcilers share the partitions
+        try:
+            if member.revision is None:
+                await member.acquire()
+            else:
+                await member.renew()
+        except LeaseLost:
+            await member.acquire()
+        members = 0
+        with contextlib.suppress(nats.js.errors.NoKeysError):
+            for k in await kv.keys():
+                if k.startswith(MEMBER_PREFIX):
+                    members += 1
+        members = max(members, 1)
+        share = math.ceil(self.cfg.partitions / members)
+        if self.cfg.max_partitions:
+            share = min(share, self.cfg.max_partitions)
+        # renew what we hold
+        for p, lease in list(self._leases.items()):
+            try:
+                await lease.renew()
+            except LeaseLost:
+                log.error("lease lost; stopping partition", extra={"partition": p})
+                metrics.LEASE_LOST.labels(self.writer).inc()
+                await self._drop(p, release=False)
+        # hand back surplus (highest numbers first), take free ones up to the share
+        surplus = len(self._leases) - share
+        for p in sorted(self._leases, reverse=True)[: max(0, surplus)]:
+            await self._drop(p, release=True)
+        if len(self._leases) < share:
+            for p in range(self.cfg.partitions):
+                if len(self._leases) >= share:
+                    break
+                if p in self._leases:
+                    continue
+                lease = PartitionLease(kv, p, self.writer, ttl_hint_s=self.cfg.lease_ttl_s)
+                if await lease.acquire() is not None:
+                    await self._take(p, lease, tg)
+        metrics.PARTITIONS_OWNED.labels(self.writer).set(len(self._leases))
+        if not self.ready.is_set():
+            self.ready.set()
+
+    async def _take(self, p: int, lease: PartitionLease, tg: asyncio.TaskGroup) -> None:
+        assert self.bus is not None and self.effects is not None
+        part = Partition(
+            p, js=self.bus.js, subjects=self.subjects, writer=self.writer, effects=self.effects,
+            snapshots=self.snapshots, env=self.env, on_placed=self.hosts.placed,
+            ack_wait_s=self.cfg.ack_wait_s, max_ack_pending=self.cfg.max_ack_pending,
+            fetch_batch=self.cfg.fetch_batch,
+        )
+        self._leases[p] = lease
+        self.partitions[p] = part
+        await part.load()
+        log.info("partition taken (caught up %d entries)", part.stats["caught_up"], extra={"partition": p})
+        self._tasks[p] = tg.create_task(part.run(), name=f"partition-{p}")
+
+    async def _drop(self, p: int, *, release: bool) -> None:
+        part = self.partitions.pop(p, None)
+        lease = self._leases.pop(p, None)
+        task = self._tasks.pop(p, None)
+        if part is not None:
+            part.held = False
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.effects is not None:
+            self.effects.cancel_partition(p)
+        if part is not None and release:
+            with contextlib.suppress(Exception):
+                await part.flush()
+        if lease is not None and release:
+            with contextlib.suppress(Exception):
+                await lease.release()
+
+    async def _release_all(self) -> None:
+        for p in list(self.partitions):
+            await self._drop(p, release=True)
+        metrics.PARTITIONS_OWNED.labels(self.writer).set(0)
+
+    async def _snapshot_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.snapshot_interval_s)
+            for part in list(self.partitions.values()):
+                try:
+                    await part.flush()
+                except Exception as exc:
+                    log.warning("snapshot failed: %r", exc, extra={"partition": part.p})
+
+
+async def _default_gateway(cfg: ReconcilerConfig) -> KubeGateway:
+    from services.reconciler.kube import K8sGateway, NullGateway
+
+    if cfg.kube == "none":
+        return NullGateway()
+    return await K8sGateway.create(kubeconfig=cfg.kubeconfig)  # type: ignore[attr-defined,no-any-return]
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse(argv)
+    except ConfigError as exc:
+        print(f"vmfence reconciler: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.log_format)
+    return asyncio.run(_main(cfg))
+
+
+async def _main(cfg: ReconcilerConfig) -> int:
+    rec = Reconciler(cfg)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, rec.stop)
+    try:
+        await rec.run()
+    except (OSError, nats.errors.NoServersError) as exc:
+        print(f"vmfence reconciler: cannot reach NATS at {','.join(cfg.nats_url)}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
