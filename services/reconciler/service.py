@@ -239,7 +239,7 @@ async def _default_gateway(cfg: ReconcilerConfig) -> KubeGateway:
 
     if cfg.kube == "none":
         return NullGateway()
-    return await K8sGateway.create(kubeconfig=cfg.kubeconfig)  # type: ignore[attr-defined,no-any-return]
+    return await K8sGateway.connect(kubeconfig=cfg.kubeconfig)
 
 
 def main(argv: list[str] | None = None) -> int:

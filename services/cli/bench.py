@@ -1,0 +1,210 @@
+"""`vmfence bench …`: benchmarks that print JSON and compare against a baseline measured in the same
+run, on the same server, with the same client."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+
+from shared.bus import Bus, StreamsConfig, provision
+from shared.natsserver import start_nats
+from shared.schema import (
+    CommandResult,
+    HostHeartbeat,
+    Observed,
+    Spec,
+    decode_command,
+    encode,
+)
+from shared.subjects import Key, Subjects
+
+BENCH_STREAM = "VMFENCE_BENCH_RAW"
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("bench", help="benchmarks (JSON results)")
+    bsub = p.add_subparsers(dest="bench", metavar="BENCH")
+    d = bsub.add_parser("decisions", help="keys through the reconciler vs raw JetStream publish")
+    d.add_argument("--keys", type=int, default=1000)
+    d.add_argument("--partitions", type=int, default=16)
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(run=lambda a: bench_decisions(a))
+    v = bsub.add_parser("vm", help="VM create/hibernate/wake latency vs a bare qemu")
+    v.add_argument("--runtime", default="qemu")
+    v.add_argument("--count", type=int, default=5)
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(run=lambda a: bench_vm(a))
+
+
+async def raw_publish_rates(bus: Bus, n: int) -> tuple[float, float]:
+    """Sync (one request at a time) and pipelined async publish rates of this client."""
+    js = bus.js
+    await js.add_stream(name=BENCH_STREAM, subjects=["vmfence-bench.>"])
+    payload = b"x" * 200
+    try:
+        start = time.perf_counter()
+        for i in range(n):
+            await js.publish(f"vmfence-bench.sync.{i % 64}", payload, timeout=5)
+        sync_rate = n / (time.perf_counter() - start)
+        start = time.perf_counter()
+        window = 1024
+        pending: list[asyncio.Future] = []  # type: ignore[type-arg]
+        for i in range(n):
+            pending.append(await js.publish_async(f"vmfence-bench.async.{i % 64}", payload))
+            if len(pending) >= window:
+                await asyncio.wait_for(asyncio.gather(*pending), 30)
+                pending.clear()
+        await asyncio.wait_for(asyncio.gather(*pending), 30)
+        async_rate = n / (time.perf_counter() - start)
+    finally:
+        await js.delete_stream(BENCH_STREAM)
+    return sync_rate, async_rate
+
+
+async def _fake_agent(bus: Bus, host: str, stop: asyncio.Event) -> int:
+    """Answers every command at once (`ok`), as an agent with an infinitely fast runtime would."""
+    subjects = bus.subjects
+    psub = await bus.js.pull_subscribe(
+        subjects.command(host), durable=f"bench-{host}", stream=subjects.stream_cmd
+    )
+    answered = 0
+    while not stop.is_set():
+        try:
+            msgs = await psub.fetch(256, timeout=0.5)
+        except (TimeoutError, asyncio.TimeoutError):
+            continue
+        except Exception:
+            if stop.is_set():
+                break
+            raise
+        acks = []
+        for m in msgs:
+            cmd = decode_command(m.data)
+            res = CommandResult(cmd.fence, cmd.id, cmd.op, host, cmd.vm_id, "ok", ip="10.0.0.2")
+            acks.append(
+                await bus.js.publish_async(
+                    subjects.report(Key.parse(cmd.fence.key)), encode(res), headers={"Nats-Msg-Id": cmd.id}
+                )
+            )
+            answered += 1
+        await asyncio.wait_for(asyncio.gather(*acks), 30)
+        for m in msgs:
+            await m.ack()
+    return answered
+
+
+async def _run_decisions(keys: int, partitions: int) -> dict[str, object]:
+    from services.reconciler.config import ReconcilerConfig
+    from services.reconciler.kube import NullGateway
+    from services.reconciler.service import Reconciler
+
+    tmp = tempfile.mkdtemp(prefix="vmfence-bench-")
+    server = await start_nats(store_dir=os.path.join(tmp, "nats"))
+    try:
+        subjects = Subjects(partitions=partitions)
+        bus = await Bus.open(server.url, name="bench", subjects=subjects)
+        await provision(bus.js, subjects, StreamsConfig(partitions=partitions))
+        raw_n = max(2000, min(keys, 20000))
+        sync_rate, async_rate = await raw_publish_rates(bus, raw_n)
+        hosts = await bus.js.key_value(subjects.kv_hosts)
+        for host in ("host-a", "host-b"):
+            beat = HostHeartbeat(host, "sim", 100000, 100000, 10**9, 10**9, 0, time.time())
+            await hosts.put(host, encode(beat))
+        gateway = NullGateway()
+        pods = [Key("pod", "bench", f"pod-{i}") for i in range(keys)]
+        for i, key in enumerate(pods):
+            gateway.objects[str(key)] = (f"uid-{i:08d}", 1, Spec())
+        cfg = ReconcilerConfig(
+            nats_url=[server.url], partitions=partitions, id="bench", data_dir=os.path.join(tmp, "rec"),
+            kube="none", http_port=0,
+        )
+        rec = Reconciler(cfg, gateway=gateway, health=False)
+        stop = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            rec_task = tg.create_task(rec.run())
+            agents = [tg.create_task(_fake_agent(bus, h, stop)) for h in ("host-a", "host-b")]
+            await asyncio.wait_for(rec.ready.wait(), 30)
+            while len(rec.hosts.live()) < 2:
+                await asyncio.sleep(0.05)
+            start = time.perf_counter()
+            window: list[asyncio.Future] = []  # type: ignore[type-arg]
+            for i, key in enumerate(pods):
+                obs = Observed(str(key), f"uid-{i:08d}", 1)
+                window.append(
+                    await bus.js.publish_async(
+                        subjects.observation(key), encode(obs), headers={"Nats-Msg-Id": f"uid-{i:08d}:1"}
+                    )
+                )
+                if len(window) >= 1024:
+                    await asyncio.wait_for(asyncio.gather(*window), 30)
+                    window.clear()
+            await asyncio.wait_for(asyncio.gather(*window), 30)
+            deadline = time.monotonic() + max(120.0, keys / 50)
+            while True:
+                bound = sum(
+                    1
+                    for part in rec.partitions.values()
+                    for slot in part.keys.values()
+                    if slot.state.cur is not None and slot.state.cur.bound and not slot.state.outbox
+                )
+                if bound >= keys:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"only {bound}/{keys} keys bound before the deadline")
+                await asyncio.sleep(0.05)
+            seconds = time.perf_counter() - start
+            decisions = sum(p.stats["decisions"] for p in rec.partitions.values())
+            entries = sum(p.stats["entries"] for p in rec.partitions.values())
+            stop.set()
+            rec.stop()
+            await rec_task
+            for a in agents:
+                a.cancel()
+        await bus.close()
+    finally:
+        await server.stop()
+    rate = decisions / seconds
+    return {
+        "bench": "decisions",
+        "keys": keys,
+        "partitions": partitions,
+        "decisions": decisions,
+        "entries": entries,
+        "seconds": round(seconds, 3),
+        "decisions_per_s": round(rate, 1),
+        "entries_per_s": round(entries / seconds, 1),
+        "raw_sync_publish_per_s": round(sync_rate, 1),
+        "raw_async_publish_per_s": round(async_rate, 1),
+        "ratio_to_raw_async_publish": round(rate / async_rate, 3),
+        "raw_messages": raw_n,
+    }
+
+
+def bench_decisions(args: argparse.Namespace) -> int:
+    from services.cli.main import _run_async
+
+    result = _run_async(_run_decisions(args.keys, args.partitions))
+    _emit(result, args.json)
+    return 0
+
+
+def bench_vm(args: argparse.Namespace) -> int:
+    from services.cli.main import _run_async
+    from services.cli.benchvm import run_vm_bench
+
+    result = _run_async(run_vm_bench(args.runtime, args.count))
+    _emit(result, args.json)
+    return 0
+
+
+def _emit(result: dict[str, object], as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        for k, v in result.items():
+            print(f"{k:>28}: {v}")
