@@ -1,0 +1,375 @@
+"""The agent's durable ledger: one SQLite file (WAL) in the data dir.
+
+It is the agent's memory across restarts and SIGKILLs: which VMs it has and which fence owns each
+(rule 4), the stored result of every command id (rule 11: a redelivery is answered from here, never
+executed twice), tombstones of removed/lost/hibernated vm ids (a late ``create`` must not resurrect a
+VM), and reservations (VNC display, forwarded port, snapshot file) owned by ``(vm_id, uid, epoch)``
+and released only by that owner (rule 9).
+
+Intent is written *before* a side effect (a ``creating`` row), so a crash mid-create leaves a trace
+the inventory reports. Reads come from an in-memory mirror of the ``vms`` table that every write goes
+through, so probes and event handlers can check ownership cheaply right before they publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+
+import aiosqlite
+import msgspec
+
+from shared.schema import CommandResult, Fence, Spec, decode_input, encode
+
+LEDGER_FILE = "ledger.sqlite3"
+BUSY_TIMEOUT_MS = 5000
+
+# VM row states. "creating"/"waking"/"removing"/"hibernating" are intents recorded before the
+# side effect; "running"/"paused"/"exited" mirror what the runtime last said.
+TRANSIENT_STATES = ("creating", "waking", "removing", "hibernating")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS vms (
+    vm_id TEXT PRIMARY KEY,
+    key TEXT NOT NULL,
+    uid TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    spec BLOB NOT NULL,
+    command_id TEXT NOT NULL DEFAULT '',
+    pid INTEGER,
+    vnc_display INTEGER,
+    probe_host_port INTEGER,
+    ip TEXT,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS results (
+    command_id TEXT PRIMARY KEY,
+    vm_id TEXT NOT NULL,
+    op TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    data BLOB NOT NULL,
+    at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS removed (
+    vm_id TEXT PRIMARY KEY,
+    reason TEXT NOT NULL,
+    key TEXT NOT NULL,
+    uid TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS reservations (
+    kind TEXT NOT NULL,
+    resource TEXT NOT NULL,
+    vm_id TEXT NOT NULL,
+    uid TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    at REAL NOT NULL,
+    PRIMARY KEY (kind, resource)
+);
+"""
+
+
+class ReservationConflict(Exception):
+    """A reservation was claimed or released by someone who does not own it."""
+
+
+@dataclass(frozen=True, slots=True)
+class VMRow:
+    """One VM the agent knows, with the fence that owns it."""
+
+    vm_id: str
+    fence: Fence
+    state: str
+    spec: Spec
+    command_id: str = ""
+    pid: int | None = None
+    vnc_display: int | None = None
+    probe_host_port: int | None = None
+    ip: str | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    vm_id: str
+    reason: str
+    fence: Fence
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    kind: str  # "vnc" | "port" | "snapshot"
+    resource: str
+    vm_id: str
+    fence: Fence
+
+
+@dataclass
+class Ledger:
+    """Async facade over the SQLite file; one instance per agent process (see ``open``)."""
+
+    path: str
+    _db: aiosqlite.Connection | None = field(default=None, init=False, repr=False)
+    _vms: dict[str, VMRow] = field(default_factory=dict, init=False, repr=False)
+    _removed: dict[str, Tombstone] = field(default_factory=dict, init=False, repr=False)
+    _tx_lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def open(self) -> None:
+        """Open (creating if needed) with WAL + synchronous=FULL, then load the VM mirror."""
+        db = await aiosqlite.connect(self.path, isolation_level=None)
+        self._db = db
+        await db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        await db.execute("PRAGMA journal_mode=WAL")
+        await db.execute("PRAGMA synchronous=FULL")
+        await db.executescript(_SCHEMA)
+        async with db.execute("SELECT * FROM vms") as cur:
+            cols = [d[0] for d in cur.description]
+            async for raw in cur:
+                row = _row_from_db(dict(zip(cols, raw, strict=True)))
+                self._vms[row.vm_id] = row
+        async with db.execute("SELECT vm_id, reason, key, uid, epoch FROM removed") as cur:
+            async for vm_id, reason, key, uid, epoch in cur:
+                self._removed[vm_id] = Tombstone(vm_id, reason, Fence(key, uid, epoch))
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._db.close()
+            self._db = None
+
+    @property
+    def db(self) -> aiosqlite.Connection:
+        if self._db is None:
+            raise RuntimeError("ledger is not open")
+        return self._db
+
+    @asynccontextmanager
+    async def _tx(self) -> AsyncIterator[aiosqlite.Connection]:
+        """One atomic write transaction; serialised so coroutines never share a transaction."""
+        async with self._tx_lock:
+            db = self.db
+            await db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                await db.execute("ROLLBACK")
+                raise
+            await db.execute("COMMIT")
+
+    # ------------------------------------------------------------------ reads (memory mirror)
+    def vm(self, vm_id: str) -> VMRow | None:
+        return self._vms.get(vm_id)
+
+    def vms(self) -> list[VMRow]:
+        return sorted(self._vms.values(), key=lambda r: r.vm_id)
+
+    def owner(self, vm_id: str) -> Fence | None:
+        row = self._vms.get(vm_id)
+        return row.fence if row is not None else None
+
+    def tombstone(self, vm_id: str) -> Tombstone | None:
+        return self._removed.get(vm_id)
+
+    async def result(self, command_id: str) -> CommandResult | None:
+        async with self.db.execute("SELECT data FROM results WHERE command_id = ?", (command_id,)) as cur:
+            raw = await cur.fetchone()
+        if raw is None:
+            return None
+        decoded = decode_input(bytes(raw[0]))
+        assert isinstance(decoded, CommandResult)
+        return decoded
+
+    async def reservations(self, vm_id: str | None = None) -> list[Reservation]:
+        sql = "SELECT kind, resource, vm_id, r.uid, r.epoch, v.key FROM reservations r "
+        sql += "LEFT JOIN vms v USING (vm_id)"
+        args: tuple[str, ...] = ()
+        if vm_id is not None:
+            sql += " WHERE vm_id = ?"
+            args = (vm_id,)
+        out: list[Reservation] = []
+        async with self.db.execute(sql, args) as cur:
+            async for kind, resource, vid, uid, epoch, key in cur:
+                out.append(Reservation(kind, resource, vid, Fence(key or "", uid, epoch)))
+        return out
+
+    async def reservation_owner(self, kind: str, resource: str) -> tuple[str, str, int] | None:
+        """``(vm_id, uid, epoch)`` holding the resource, or None when free."""
+        async with self.db.execute(
+            "SELECT vm_id, uid, epoch FROM reservations WHERE kind = ? AND resource = ?", (kind, resource)
+        ) as cur:
+            raw = await cur.fetchone()
+        return (raw[0], raw[1], int(raw[2])) if raw else None
+
+    # ------------------------------------------------------------------ writes
+    async def put_vm(self, row: VMRow) -> VMRow:
+        """Insert or replace a VM row (intent before an effect, or what the runtime said after)."""
+        now = time.time()
+        row = replace(row, created_at=row.created_at or now, updated_at=now)
+        async with self._tx() as db:
+            await _upsert(db, row)
+        self._vms[row.vm_id] = row
+        return row
+
+    async def set_state(self, vm_id: str, state: str) -> VMRow | None:
+        row = self._vms.get(vm_id)
+        if row is None:
+            return None
+        return await self.put_vm(replace(row, state=state))
+
+    async def forget_vm(self, vm_id: str) -> None:
+        """Drop a row without a tombstone: a create that failed before any effect."""
+        async with self._tx() as db:
+            await db.execute("DELETE FROM vms WHERE vm_id = ?", (vm_id,))
+        self._vms.pop(vm_id, None)
+
+    async def record(
+        self,
+        result: CommandResult,
+        *,
+        put: VMRow | None = None,
+        bury: tuple[str, Fence] | None = None,
+        claim: Iterable[tuple[str, str]] = (),
+        transfer_to: Fence | None = None,
+    ) -> None:
+        """Store a command's result together with its ledger effect, atomically.
+
+        ``put``: the VM's new row. ``bury``: ``(reason, owner fence)`` tombstones the vm_id, drops its
+        row and releases the reservations that owner holds on it. ``claim``: ``(kind, resource)``
+        reservations for ``put``'s owner. ``transfer_to``: move the VM's reservations to a new
+        owner (adopt).
+        """
+        now = time.time()
+        if put is not None:
+            put = replace(put, created_at=put.created_at or now, updated_at=now)
+        async with self._tx() as db:
+            if put is not None:
+                await _upsert(db, put)
+                for kind, resource in claim:
+                    await _claim(db, kind, resource, put.vm_id, put.fence, now)
+            if transfer_to is not None:
+                await db.execute(
+                    "UPDATE reservations SET uid = ?, epoch = ? WHERE vm_id = ? AND kind != 'snapshot'",
+                    (transfer_to.uid, transfer_to.epoch, result.vm_id),
+                )
+            if bury is not None:
+                reason, owner = bury
+                await _bury(db, result.vm_id, reason, owner, now)
+            await db.execute(
+                "INSERT OR IGNORE INTO results (command_id, vm_id, op, outcome, data, at) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (result.command_id, result.vm_id, result.op, result.outcome, encode(result), now),
+            )
+        if put is not None:
+            self._vms[put.vm_id] = put
+        if bury is not None:
+            self._vms.pop(result.vm_id, None)
+            self._removed[result.vm_id] = Tombstone(result.vm_id, bury[0], bury[1])
+
+    async def bury(self, vm_id: str, reason: str, owner: Fence) -> None:
+        """Tombstone a vm_id outside a command (the runtime lost it, cleanup on stop)."""
+        now = time.time()
+        async with self._tx() as db:
+            await _bury(db, vm_id, reason, owner, now)
+        self._vms.pop(vm_id, None)
+        self._removed[vm_id] = Tombstone(vm_id, reason, owner)
+
+    async def reserve(self, kind: str, resource: str, vm_id: str, owner: Fence) -> None:
+        """Claim a resource for ``(vm_id, owner)``; idempotent for that owner, else a conflict."""
+        async with self._tx() as db:
+            await _claim(db, kind, resource, vm_id, owner, time.time())
+
+    async def release(self, kind: str, resource: str, vm_id: str, owner: Fence) -> bool:
+        """Free a resource; only its owner ``(vm_id, uid, epoch)`` may. False if already free."""
+        async with self._tx() as db:
+            async with db.execute(
+                "SELECT vm_id, uid, epoch FROM reservations WHERE kind = ? AND resource = ?",
+                (kind, resource),
+            ) as cur:
+                raw = await cur.fetchone()
+            if raw is None:
+                return False
+            if (raw[0], raw[1], int(raw[2])) != (vm_id, owner.uid, owner.epoch):
+                raise ReservationConflict(
+                    f"{kind} {resource} is held by {raw[0]}/{raw[1]}/{raw[2]}; "
+                    f"{vm_id}/{owner.uid}/{owner.epoch} may not release it"
+                )
+            await db.execute("DELETE FROM reservations WHERE kind = ? AND resource = ?", (kind, resource))
+        return True
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _row_from_db(d: dict[str, object]) -> VMRow:
+    return VMRow(
+        vm_id=str(d["vm_id"]),
+        fence=Fence(str(d["key"]), str(d["uid"]), int(d["epoch"])),  # type: ignore[call-overload]
+        state=str(d["state"]),
+        spec=msgspec.json.decode(d["spec"], type=Spec),  # type: ignore[call-overload]
+        command_id=str(d["command_id"] or ""),
+        pid=d["pid"],  # type: ignore[arg-type]
+        vnc_display=d["vnc_display"],  # type: ignore[arg-type]
+        probe_host_port=d["probe_host_port"],  # type: ignore[arg-type]
+        ip=d["ip"],  # type: ignore[arg-type]
+        created_at=float(d["created_at"]),  # type: ignore[arg-type]
+        updated_at=float(d["updated_at"]),  # type: ignore[arg-type]
+    )
+
+
+async def _upsert(db: aiosqlite.Connection, row: VMRow) -> None:
+    await db.execute(
+        "INSERT OR REPLACE INTO vms (vm_id, key, uid, epoch, state, spec, command_id, pid, vnc_display, "
+        "probe_host_port, ip, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            row.vm_id,
+            row.fence.key,
+            row.fence.uid,
+            row.fence.epoch,
+            row.state,
+            encode(row.spec),
+            row.command_id,
+            row.pid,
+            row.vnc_display,
+            row.probe_host_port,
+            row.ip,
+            row.created_at,
+            row.updated_at,
+        ),
+    )
+
+
+async def _claim(
+    db: aiosqlite.Connection, kind: str, resource: str, vm_id: str, owner: Fence, now: float
+) -> None:
+    async with db.execute(
+        "SELECT vm_id, uid, epoch FROM reservations WHERE kind = ? AND resource = ?", (kind, resource)
+    ) as cur:
+        raw = await cur.fetchone()
+    if raw is not None:
+        if (raw[0], raw[1], int(raw[2])) == (vm_id, owner.uid, owner.epoch):
+            return
+        raise ReservationConflict(f"{kind} {resource} is held by {raw[0]}/{raw[1]}/{raw[2]}")
+    await db.execute(
+        "INSERT INTO reservations (kind, resource, vm_id, uid, epoch, at) VALUES (?, ?, ?, ?, ?, ?)",
+        (kind, resource, vm_id, owner.uid, owner.epoch, now),
+    )
+
+
+async def _bury(db: aiosqlite.Connection, vm_id: str, reason: str, owner: Fence, now: float) -> None:
+    """Tombstone + drop row + release what ``owner`` holds on it (snapshots outlive the VM)."""
+    await db.execute(
+        "INSERT OR REPLACE INTO removed (vm_id, reason, key, uid, epoch, at) VALUES (?, ?, ?, ?, ?, ?)",
+        (vm_id, reason, owner.key, owner.uid, owner.epoch, now),
+    )
+    await db.execute("DELETE FROM vms WHERE vm_id = ?", (vm_id,))
+    await db.execute(
+        "DELETE FROM reservations WHERE vm_id = ? AND uid = ? AND epoch = ? AND kind != 'snapshot'",
+        (vm_id, owner.uid, owner.epoch),
+    )

@@ -1,0 +1,90 @@
+"""Readiness probes: one loop per running VM, each carrying the fence it was started under.
+
+A probe result is published only if it changed *and* the probe's fence is still the VM's owner in
+the ledger, checked right before publishing — so a probe that started before an adopt moved the VM
+to a newer incarnation never reports for the superseded one (the seed provider's bug: a late probe
+writing the successor's readiness).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from services.agent.ledger import Ledger
+from services.agent.logs import fence_fields
+from services.agent.runtime import Inconclusive, RuntimeDriver, RuntimeFailure
+from shared.schema import Fence, ProbeChanged
+
+log = logging.getLogger("vmfence.agent.probes")
+
+PROBED_STATES = ("running", "paused")
+
+Publish = Callable[[ProbeChanged], Awaitable[None]]
+
+
+class Prober:
+    """Supervises per-VM probe loops inside its own TaskGroup (no ownerless tasks)."""
+
+    def __init__(self, ledger: Ledger, driver: RuntimeDriver, host: str, publish: Publish, *,
+                 interval: float, timeout: float) -> None:
+        self.ledger = ledger
+        self.driver = driver
+        self.host = host
+        self.publish = publish
+        self.interval = interval
+        self.timeout = timeout
+        self._kick = asyncio.Event()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def kick(self) -> None:
+        """The ledger changed (a command finished): start/stop loops now, not at the next tick."""
+        self._kick.set()
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            try:
+                while True:
+                    self._sync(tg)
+                    self._kick.clear()
+                    try:
+                        await asyncio.wait_for(self._kick.wait(), self.interval)
+                    except TimeoutError:
+                        pass
+            finally:
+                for t in self._tasks.values():
+                    t.cancel()
+
+    def _sync(self, tg: asyncio.TaskGroup) -> None:
+        want = {r.vm_id for r in self.ledger.vms() if r.state in PROBED_STATES}
+        for vm_id, task in list(self._tasks.items()):
+            if task.done() or vm_id not in want:
+                task.cancel()
+                del self._tasks[vm_id]
+        for vm_id in want - self._tasks.keys():
+            self._tasks[vm_id] = tg.create_task(self._loop(vm_id), name=f"probe-{vm_id}")
+
+    async def _loop(self, vm_id: str) -> None:
+        last: dict[Fence, bool] = {}
+        while True:
+            row = self.ledger.vm(vm_id)
+            if row is None or row.state not in PROBED_STATES:
+                return
+            fence = row.fence  # the fence this probe runs under
+            try:
+                ready = await asyncio.wait_for(self.driver.probe(vm_id), self.timeout)
+            except (RuntimeFailure, Inconclusive, TimeoutError) as e:
+                log.debug("probe failed: %s", e, extra=fence_fields(fence, vm_id))
+                ready = False
+            # right before publishing: is this probe's fence still the owner?
+            if self.ledger.owner(vm_id) != fence:
+                log.info("probe result dropped: its fence was superseded",
+                         extra=fence_fields(fence, vm_id, event="probe_superseded"))
+            elif last.get(fence) != ready:
+                try:
+                    await self.publish(ProbeChanged(fence=fence, host=self.host, vm_id=vm_id, ready=ready))
+                    last[fence] = ready
+                except Exception as e:  # the next round retries
+                    log.warning("probe change not published: %r", e, extra=fence_fields(fence, vm_id))
+            await asyncio.sleep(self.interval)

@@ -1,0 +1,578 @@
+"""The agent service: consumes ``<prefix>.cmd.<host>``, executes, reports.
+
+Startup order matters: subscribe to runtime events *before* ``driver.open()`` (so VMs that died
+while the agent was down are reported), report the full inventory, then start consuming. A
+command is acked only after its result is recorded in the ledger *and* published; a redelivery is
+answered from the ledger. SIGTERM stops consuming, finishes in-flight commands (bounded), and
+closes the driver without killing VMs — an agent restart never kills VMs.
+
+In-process API (tests, demo)::
+
+    agent = Agent(config, driver=None)          # driver: inject e.g. a SimDriver to fault it
+    async with agent:                           # starts run() in a task it owns; ready on entry
+        ...                                     # agent.http_port, agent.ledger, agent.driver
+    # or: await agent.run(ready=event) in your own TaskGroup, and agent.stop() to end it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from collections import Counter as _Counter
+from types import TracebackType
+from typing import Any, Self
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from aiohttp import web
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.kv import KeyValue
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from services.agent.config import AgentConfig, ConfigError, load_config
+from services.agent.executor import Executor, VMLocks, labels_fence
+from services.agent.ledger import LEDGER_FILE, TRANSIENT_STATES, Ledger
+from services.agent.logs import cmd_fields, fence_fields, setup_logging
+from services.agent.probes import Prober
+from services.agent.runtime import (
+    RuntimeDriver,
+    VMExitedEvent,
+    VMGoneEvent,
+    make_driver,
+)
+from services.agent.runtime.base import VM_ID_RE
+from shared.bus import AppendFailed, Bus, StreamsConfig, dead_letter, provision, publish_input
+from shared.schema import (
+    SCHEMA_VERSION,
+    Command,
+    Fence,
+    HostHeartbeat,
+    Inventoried,
+    ProbeChanged,
+    VMExited,
+    VMGone,
+    decode_command,
+    encode,
+)
+from shared.subjects import Key, Subjects, encode_token
+
+log = logging.getLogger("vmfence.agent")
+
+NET_TIMEOUT_S = 5.0  # one NATS request (ack, KV put, consumer create)
+DLQ_SOURCE = "agent"
+NAK_DELAY_S = 1.0  # redelivery delay after a result could not be published
+FETCH_ERROR_BACKOFF_S = 1.0
+LOCK_FILE = "agent.lock"
+STOPPED_TASK_WAIT_S = 5.0  # background tasks after cancel
+
+
+class AgentStartError(Exception):
+    """The agent could not start (NATS unreachable, data dir locked...); one line for the operator."""
+
+
+class Malformed(Exception):
+    """A command that can never be executed: it goes to the dead-letter stream."""
+
+
+class _Metrics:
+    """Per-agent registry so several agents can live in one process (tests, demo)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.commands = Counter("vmfence_commands", "Commands handled by op and result",
+                                ["op", "result"], registry=self.registry)
+        self.vms = Gauge("vmfence_vms", "VMs in the agent's ledger by state", ["state"],
+                         registry=self.registry)
+        self.reports = Counter("vmfence_agent_reports", "Reports published by kind", ["kind"],
+                               registry=self.registry)
+        self.redeliveries = Counter("vmfence_agent_redeliveries", "Commands answered from the ledger",
+                                    registry=self.registry)
+        self._states: set[str] = set()
+
+    def set_vms(self, states: list[str]) -> None:
+        counts = _Counter(states)
+        for s in self._states | counts.keys():
+            self.vms.labels(state=s).set(counts.get(s, 0))
+        self._states |= counts.keys()
+
+
+def _sim_faults(driver: Any, faults: tuple[str, ...]) -> None:
+    """Apply ``--sim-fault kind:op[:seconds]`` rules (each fires once) to a SimDriver."""
+    for f in faults:
+        kind, op, *rest = f.split(":")
+        if kind == "delay":
+            driver.faults.delay(op, float(rest[0]) if rest else 1.0)
+        elif kind == "fail":
+            driver.faults.fail(op)
+        elif kind == "crash_after":
+            driver.faults.crash_after(op)
+        elif kind == "inconclusive":
+            driver.faults.inconclusive()
+
+
+def validate_command(cmd: Command, host: str) -> None:
+    """Reject what no retry can fix (dead letter) before touching the ledger."""
+    if cmd.v > SCHEMA_VERSION:
+        raise Malformed(f"schema version {cmd.v} is newer than this agent's {SCHEMA_VERSION}")
+    if cmd.host != host:
+        raise Malformed(f"command for host {cmd.host!r} delivered to {host!r}")
+    if not cmd.id:
+        raise Malformed("empty command id")
+    if not VM_ID_RE.match(cmd.vm_id):
+        raise Malformed(f"invalid vm_id {cmd.vm_id!r}")
+    try:
+        Key.parse(cmd.fence.key)
+    except ValueError as e:
+        raise Malformed(str(e)) from None
+
+
+class Agent:
+    """One host's executor. See the module docstring for the in-process API."""
+
+    def __init__(self, config: AgentConfig, *, driver: RuntimeDriver | None = None) -> None:
+        self.config = config
+        self.subjects = Subjects(config.prefix, config.partitions)
+        self.boot = uuid.uuid4().hex[:8]  # distinguishes this process's reports' Msg-Ids
+        self.metrics = _Metrics()
+        self.ledger = Ledger(os.path.join(config.data_dir, LEDGER_FILE))
+        self._driver = driver
+        self.bus: Bus | None = None
+        self.http_port: int | None = None
+        self.executor: Executor | None = None
+        self.prober: Prober | None = None
+        self._stopping = asyncio.Event()
+        self._ready = False
+        self._seq = 0
+        self._round = 0
+        self._lock_fd: int | None = None
+        self._runner: web.AppRunner | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._kv: KeyValue | None = None
+
+    @property
+    def driver(self) -> RuntimeDriver:
+        if self._driver is None:
+            raise RuntimeError("agent not started")
+        return self._driver
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and self.bus is not None and self.bus.nc.is_connected
+
+    # ------------------------------------------------------------------ lifecycle API
+    def stop(self) -> None:
+        """Ask run() to stop: no new commands, in-flight ones finish (bounded), VMs keep running."""
+        self._stopping.set()
+
+    async def __aenter__(self) -> Self:
+        ready = asyncio.Event()
+        self._task = asyncio.create_task(self.run(ready=ready), name=f"agent-{self.config.host}")
+        waiter = asyncio.create_task(ready.wait())
+        try:
+            await asyncio.wait({self._task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if self._task.done():
+            self._task.result()  # raises the startup error
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.stop()
+        if self._task is not None:
+            await self._task
+
+    async def run(self, *, ready: asyncio.Event | None = None) -> None:
+        """Run until stop(); sets ``ready`` once the inventory is out and commands are consumed."""
+        cfg = self.config
+        self._lock_data_dir()
+        try:
+            await self.ledger.open()
+            if self._driver is None:
+                self._driver = self._make_driver()
+            driver = self._driver
+            events = driver.events()  # before open(): exits found while rediscovering are seen
+            await driver.open()
+            self.executor = Executor(
+                self.ledger, driver, cfg.host, cfg.snapshots, image_dir=cfg.images,
+                vnc=cfg.vnc_range is not None, op_timeout=cfg.op_timeout, locks=VMLocks(),
+            )
+            self.prober = Prober(self.ledger, driver, cfg.host, self._publish_probe,
+                                 interval=cfg.probe_interval, timeout=cfg.probe_timeout)
+            try:
+                self.bus = await Bus.open(cfg.nats_url.split(","), name=f"vmfence-agent-{cfg.host}",
+                                          subjects=self.subjects)
+            except (OSError, TimeoutError, nats.errors.Error) as e:
+                raise AgentStartError(f"cannot connect to NATS at {cfg.nats_url}: {e!r}") from e
+            if cfg.provision:
+                await provision(self.bus.js, self.subjects, StreamsConfig(partitions=cfg.partitions))
+            psub = await self._subscribe()
+            await self._start_http()
+            await self.inventory()
+            await self.heartbeat()
+            self._ready = True
+            log.info("agent ready", extra={"host": cfg.host, "event": "ready"})
+            if ready is not None:
+                ready.set()
+            async with asyncio.TaskGroup() as tg:
+                background = [
+                    tg.create_task(self._events(events), name="agent-events"),
+                    tg.create_task(self._every(cfg.inventory_interval, self.inventory), name="inventory"),
+                    tg.create_task(self._every(cfg.heartbeat_interval, self.heartbeat), name="heartbeat"),
+                    tg.create_task(self.prober.run(), name="probes"),
+                ]
+                await self._consume(psub)  # returns once stopping and in-flight work is done
+                self._ready = False
+                for t in background:
+                    t.cancel()
+        finally:
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        self._ready = False
+        if self.config.cleanup_on_stop and self.executor is not None:
+            n = await self.executor.remove_all()
+            log.info("cleanup on stop: removed %d VMs", n, extra={"host": self.config.host})
+        if self._driver is not None:
+            with contextlib.suppress(Exception):
+                await self._driver.close()  # drops connections; never kills VMs
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.bus is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.bus.close(), NET_TIMEOUT_S)
+        await self.ledger.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        log.info("agent stopped", extra={"host": self.config.host, "event": "stopped"})
+
+    def _lock_data_dir(self) -> None:
+        """One agent per data dir: two writers of one ledger would each believe they own the VMs."""
+        os.makedirs(self.config.data_dir, exist_ok=True)
+        fd = os.open(os.path.join(self.config.data_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise AgentStartError(f"data dir {self.config.data_dir} is in use by another agent") from None
+        self._lock_fd = fd
+
+    def _make_driver(self) -> RuntimeDriver:
+        cfg = self.config
+        displays = cfg.vnc_range if cfg.vnc_range is not None else range(0)
+        if cfg.runtime == "qemu":
+            return make_driver("qemu", state_dir=cfg.runtime_dir, accel=cfg.accel, vnc_displays=displays)
+        driver = make_driver("sim", state_dir=cfg.runtime_dir, seed=cfg.sim_seed, vnc_displays=displays)
+        _sim_faults(driver, cfg.sim_faults)
+        return driver
+
+    async def _subscribe(self) -> Any:
+        """Durable pull consumer ``agent-<host>`` on the CMD stream, filtered to this host."""
+        assert self.bus is not None
+        cfg = self.config
+        durable = f"agent-{encode_token(cfg.host)}"
+        subject = self.subjects.command(cfg.host)
+        conf = api.ConsumerConfig(
+            durable_name=durable, name=durable, filter_subject=subject,
+            ack_policy=api.AckPolicy.EXPLICIT, ack_wait=cfg.ack_wait,
+            max_ack_pending=cfg.max_ack_pending, deliver_policy=api.DeliverPolicy.ALL,
+            max_deliver=-1,
+        )
+        try:
+            await asyncio.wait_for(self.bus.js.add_consumer(self.subjects.stream_cmd, conf), NET_TIMEOUT_S)
+            return await asyncio.wait_for(
+                self.bus.js.pull_subscribe_bind(durable=durable, stream=self.subjects.stream_cmd),
+                NET_TIMEOUT_S,
+            )
+        except nats.js.errors.NotFoundError as e:
+            stream = self.subjects.stream_cmd
+            raise AgentStartError(f"stream {stream} does not exist (provision first)") from e
+        except (TimeoutError, nats.errors.Error) as e:
+            raise AgentStartError(f"cannot create consumer {durable}: {e!r}") from e
+
+    # ------------------------------------------------------------------ HTTP
+    async def _start_http(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._h_metrics)
+        app.router.add_get("/livez", self._h_livez)
+        app.router.add_get("/readyz", self._h_readyz)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.http_host, self.config.http_port)
+        try:
+            await site.start()
+        except OSError as e:
+            await runner.cleanup()
+            raise AgentStartError(f"cannot listen on {self.config.http_host}:{self.config.http_port}: "
+                                  f"{e.strerror}") from e
+        self._runner = runner
+        self.http_port = int(runner.addresses[0][1])
+
+    async def _h_metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _h_livez(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _h_readyz(self, request: web.Request) -> web.Response:
+        if self.ready:
+            return web.Response(text="ready\n")
+        return web.Response(status=503, text="not ready\n")
+
+    # ------------------------------------------------------------------ publishing
+    def _next_id(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    async def _report(self, kind: str, fence: Fence, payload: msgspec.Struct, msg_id: str) -> None:
+        assert self.bus is not None
+        subject = self.subjects.report(Key.parse(fence.key))
+        await publish_input(self.bus.js, subject, encode(payload), msg_id=msg_id)
+        self.metrics.reports.labels(kind=kind).inc()
+
+    async def _publish_probe(self, p: ProbeChanged) -> None:
+        f = p.fence
+        msg_id = f"probe:{self.config.host}:{p.vm_id}:{f.uid}:{f.epoch}:{self.boot}:{self._next_id()}"
+        await self._report("probe", p.fence, p, msg_id)
+        log.info("probe changed: ready=%s", p.ready, extra=fence_fields(p.fence, p.vm_id, event="probe"))
+
+    # ------------------------------------------------------------------ commands
+    async def _consume(self, psub: Any) -> None:
+        cfg = self.config
+        inflight: set[asyncio.Task[None]] = set()
+        async with asyncio.TaskGroup() as tg:
+            while not self._stopping.is_set():
+                free = cfg.max_concurrency - len(inflight)
+                if free <= 0:
+                    stop_wait = tg.create_task(self._stopping.wait())
+                    await asyncio.wait({*inflight, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                    stop_wait.cancel()
+                    continue
+                try:
+                    msgs = await psub.fetch(free, timeout=cfg.fetch_timeout)
+                except TimeoutError:
+                    continue
+                except (nats.errors.Error, OSError) as e:
+                    log.warning("fetch failed: %r", e, extra={"host": cfg.host})
+                    await self._sleep(FETCH_ERROR_BACKOFF_S)
+                    continue
+                for msg in msgs:  # tasks start in order: per-VM locks are taken in stream order
+                    t = tg.create_task(self._handle(msg))
+                    inflight.add(t)
+                    t.add_done_callback(inflight.discard)
+            if inflight:
+                log.info("stopping: %d commands in flight", len(inflight), extra={"host": cfg.host})
+                _, pending = await asyncio.wait(set(inflight), timeout=cfg.shutdown_timeout)
+                for t in pending:  # not acked: redelivered to the next agent process
+                    t.cancel()
+
+    async def _handle(self, msg: Msg) -> None:
+        assert self.executor is not None and self.bus is not None
+        try:
+            cmd = decode_command(msg.data)
+            validate_command(cmd, self.config.host)
+        except (msgspec.DecodeError, msgspec.ValidationError, Malformed) as e:
+            await self._dead_letter(msg, f"malformed command: {e}")
+            return
+        keepalive = asyncio.create_task(self._keepalive(msg))  # owned: cancelled in finally
+        try:
+            result, replayed = await self.executor.execute(cmd)
+        except Exception as e:
+            if self.config.sim_faults and type(e).__name__ == "AgentCrash":
+                os._exit(137)  # injected "agent died between effect and report" (sim faults only)
+            log.exception("command failed unexpectedly; redelivering", extra=cmd_fields(cmd))
+            await self._nak(msg)
+            return
+        finally:
+            keepalive.cancel()
+        if replayed:
+            self.metrics.redeliveries.inc()
+        else:
+            self.metrics.commands.labels(op=cmd.op, result=result.outcome).inc()
+        assert self.prober is not None
+        self.prober.kick()
+        try:
+            await self._report("result", result.fence, result, result.command_id)
+        except (AppendFailed, nats.errors.Error, TimeoutError) as e:
+            log.warning("result not published (%r); redelivery will republish it", e, extra=cmd_fields(cmd))
+            await self._nak(msg)
+            return
+        await self._ack(msg)
+
+    async def _keepalive(self, msg: Msg) -> None:
+        """Long ops (migration) outlive ack_wait: tell the server the command is being worked on."""
+        while True:
+            await asyncio.sleep(self.config.ack_wait / 3)
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await msg.in_progress()
+
+    async def _ack(self, msg: Msg) -> None:
+        try:
+            await msg.ack_sync(timeout=NET_TIMEOUT_S)
+        except (nats.errors.Error, TimeoutError) as e:
+            log.warning("ack failed (%r): the command will be redelivered and answered from the ledger", e)
+
+    async def _nak(self, msg: Msg) -> None:
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            await msg.nak(delay=NAK_DELAY_S)
+
+    async def _dead_letter(self, msg: Msg, reason: str) -> None:
+        assert self.bus is not None
+        log.warning("dead-lettering: %s", reason, extra={"host": self.config.host, "event": "dlq"})
+        self.metrics.commands.labels(op="unknown", result="malformed").inc()
+        try:
+            await dead_letter(self.bus.js, self.subjects, source=DLQ_SOURCE, reason=reason,
+                              subject=msg.subject, data=msg.data, headers=msg.headers)
+        except (AppendFailed, nats.errors.Error, TimeoutError) as e:
+            log.warning("dead letter not stored (%r); redelivering", e)
+            await self._nak(msg)
+            return
+        await self._ack(msg)
+
+    # ------------------------------------------------------------------ runtime events
+    async def _events(self, events: Any) -> None:
+        """Runtime exits/losses → VMExited/VMGone under the ledger's owner fence, one task per
+        event so a long command on one VM does not hold up events of the others."""
+        async with asyncio.TaskGroup() as tg:
+            async for ev in events:
+                tg.create_task(self._on_event(ev))
+
+    async def _on_event(self, ev: VMExitedEvent | VMGoneEvent) -> None:
+        assert self.executor is not None
+        host = self.config.host
+        try:
+            if isinstance(ev, VMExitedEvent):
+                fence = await self.executor.on_exited(ev.vm_id, ev.exit_code)
+                if fence is not None:
+                    payload = VMExited(fence=fence, host=host, vm_id=ev.vm_id, exit_code=ev.exit_code)
+                    await self._report("exited", fence, payload,
+                                       f"exit:{host}:{ev.vm_id}:{self.boot}:{self._next_id()}")
+                    log.info("VM exited (code %s)", ev.exit_code,
+                             extra=fence_fields(fence, ev.vm_id, event="exited"))
+            else:
+                fence = await self.executor.on_gone(ev.vm_id)
+                if fence is not None:
+                    await self._publish_gone(fence, ev.vm_id)
+        except Exception:
+            log.exception("runtime event not reported", extra={"vm_id": ev.vm_id})
+
+    async def _publish_gone(self, fence: Fence, vm_id: str) -> None:
+        host = self.config.host
+        await self._report("gone", fence, VMGone(fence=fence, host=host, vm_id=vm_id), f"gone:{host}:{vm_id}")
+        log.warning("VM gone: the runtime no longer knows it", extra=fence_fields(fence, vm_id, event="gone"))
+
+    # ------------------------------------------------------------------ inventory & heartbeat
+    async def inventory(self) -> str:
+        """Publish one Inventoried per VM (ledger plus runtime) and return the round id."""
+        assert self.executor is not None
+        self._round += 1
+        round_id = f"{self.config.host}-{self.boot}-{self._round}"
+        host = self.config.host
+        listed = {i.vm_id: i for i in await asyncio.wait_for(self.driver.list(), self.config.op_timeout)}
+        for row in self.ledger.vms():
+            if row.vm_id not in listed and row.state not in TRANSIENT_STATES:
+                fence = await self.executor.check_gone(row.vm_id)
+                if fence is not None:
+                    await self._publish_gone(fence, row.vm_id)
+        rows = {r.vm_id: r for r in self.ledger.vms()}
+        for vm_id in sorted(rows.keys() | listed.keys()):
+            row, info = rows.get(vm_id), listed.get(vm_id)
+            if row is not None:
+                fence: Fence | None = row.fence
+                state = row.state if row.state in TRANSIENT_STATES or info is None else info.state
+            else:
+                assert info is not None
+                fence, state = labels_fence(info.labels), info.state
+                if fence is None:
+                    log.warning("inventory: VM without vmfence labels, not reported", extra={"vm_id": vm_id})
+                    continue
+            payload = Inventoried(fence=fence, host=host, vm_id=vm_id, state=state, round=round_id)
+            await self._report("inventory", fence, payload, f"inv:{round_id}:{vm_id}")
+        self.metrics.set_vms([r.state for r in self.ledger.vms()])
+        log.info("inventory round %s: %d VMs", round_id, len(rows.keys() | listed.keys()),
+                 extra={"host": host, "event": "inventory"})
+        return round_id
+
+    async def heartbeat(self) -> None:
+        """Capacity and usage into KV ``<prefix>_hosts`` under the host name."""
+        assert self.bus is not None
+        cfg = self.config
+        if self._kv is None:
+            self._kv = await asyncio.wait_for(self.bus.js.key_value(self.subjects.kv_hosts), NET_TIMEOUT_S)
+        rows = self.ledger.vms()
+        used = [r for r in rows if r.state not in ("exited",)]
+        hb = HostHeartbeat(
+            host=cfg.host, runtime=self.driver.name,
+            cpus_total=cfg.cpus, cpus_free=max(0, cfg.cpus - sum(r.spec.cpus for r in used)),
+            memory_total_mib=cfg.memory_mib,
+            memory_free_mib=max(0, cfg.memory_mib - sum(r.spec.memory_mib for r in used)),
+            vms=len(rows), at=time.time(), accel=getattr(self.driver, "accel", None),
+        )
+        await asyncio.wait_for(self._kv.put(cfg.host, encode(hb)), NET_TIMEOUT_S)
+        self.metrics.reports.labels(kind="heartbeat").inc()
+        self.metrics.set_vms([r.state for r in rows])
+
+    async def _every(self, interval: float, fn: Any) -> None:
+        """Run ``fn`` every ``interval`` s until stopping; a failed round is logged, not fatal."""
+        while not await self._sleep(interval):
+            try:
+                await fn()
+            except Exception as e:
+                log.warning("%s failed: %r", getattr(fn, "__name__", fn), e, extra={"host": self.config.host})
+
+    async def _sleep(self, seconds: float) -> bool:
+        """Sleep, waking early on stop; True if stopping."""
+        try:
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+async def _serve(config: AgentConfig) -> None:
+    agent = Agent(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, agent.stop)
+    await agent.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``vmfence agent``: 0 after a clean stop, 2 on a bad configuration, 1 if it cannot start."""
+    try:
+        config = load_config(argv)
+    except ConfigError as e:
+        print(f"vmfence agent: error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level)
+    try:
+        asyncio.run(_serve(config))
+    except AgentStartError as e:
+        print(f"vmfence agent: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # includes ExceptionGroup from the task group: logged in full above
+        log.exception("agent crashed")
+        first: BaseException = e
+        while isinstance(first, BaseExceptionGroup) and first.exceptions:
+            first = first.exceptions[0]
+        print(f"vmfence agent: error: {first!r}", file=sys.stderr)
+        return 1
+    return 0
