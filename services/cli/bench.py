@@ -76,7 +76,7 @@ async def _fake_agent(bus: Bus, host: str, stop: asyncio.Event) -> int:
     while not stop.is_set():
         try:
             msgs = await psub.fetch(256, timeout=0.5)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             continue
         except Exception:
             if stop.is_set():
@@ -96,6 +96,22 @@ async def _fake_agent(bus: Bus, host: str, stop: asyncio.Event) -> int:
         for m in msgs:
             await m.ack()
     return answered
+
+
+def fake_agents_main(url: str, partitions: int) -> None:
+    """Entry point of the fake agents' process (host-a and host-b); runs until terminated."""
+
+    async def run() -> None:
+        bus = await Bus.open(url, name="bench-agents", subjects=Subjects(partitions=partitions))
+        stop = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            for host in ("host-a", "host-b"):
+                tg.create_task(_fake_agent(bus, host, stop))
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
 
 
 async def _run_decisions(keys: int, partitions: int) -> dict[str, object]:
@@ -124,10 +140,14 @@ async def _run_decisions(keys: int, partitions: int) -> dict[str, object]:
             kube="none", http_port=0,
         )
         rec = Reconciler(cfg, gateway=gateway, health=False)
-        stop = asyncio.Event()
+        # the fake agents run in their own process, as real agents do (they would otherwise share
+        # this process's one core with the reconciler being measured)
+        agents = await asyncio.create_subprocess_exec(
+            sys.executable, "-c",
+            f"from services.cli.bench import fake_agents_main; fake_agents_main({server.url!r}, {partitions})",
+        )
         async with asyncio.TaskGroup() as tg:
             rec_task = tg.create_task(rec.run())
-            agents = [tg.create_task(_fake_agent(bus, h, stop)) for h in ("host-a", "host-b")]
             await asyncio.wait_for(rec.ready.wait(), 30)
             while len(rec.hosts.live()) < 2:
                 await asyncio.sleep(0.05)
@@ -160,11 +180,10 @@ async def _run_decisions(keys: int, partitions: int) -> dict[str, object]:
             seconds = time.perf_counter() - start
             decisions = sum(p.stats["decisions"] for p in rec.partitions.values())
             entries = sum(p.stats["entries"] for p in rec.partitions.values())
-            stop.set()
             rec.stop()
             await rec_task
-            for a in agents:
-                a.cancel()
+        agents.terminate()
+        await agents.wait()
         await bus.close()
     finally:
         await server.stop()
@@ -194,8 +213,8 @@ def bench_decisions(args: argparse.Namespace) -> int:
 
 
 def bench_vm(args: argparse.Namespace) -> int:
-    from services.cli.main import _run_async
     from services.cli.benchvm import run_vm_bench
+    from services.cli.main import _run_async
 
     result = _run_async(run_vm_bench(args.runtime, args.count))
     _emit(result, args.json)

@@ -12,7 +12,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
@@ -23,6 +23,7 @@ from shared.bus import publish_input
 from shared.schema import (
     Commanded,
     ConfirmRequested,
+    Input,
     TimerArmed,
     TimerFired,
     WriteDone,
@@ -55,12 +56,14 @@ class EffectRunner:
         *,
         workers: int = 64,
         owns: Callable[[int], bool] = lambda p: True,
+        feed: Callable[[str, Input], Awaitable[bool]] | None = None,
     ) -> None:
         self.js = js
         self.subjects = subjects
         self.gateway = gateway
         self.workers = workers
         self.owns = owns
+        self.feed = feed
         self._queues: dict[str, collections.deque[Work]] = {}
         self._ready: asyncio.Queue[str] = asyncio.Queue()
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
@@ -150,25 +153,27 @@ class EffectRunner:
                 kind = f"command_{cmd.op}"
             case ConfirmRequested(request=req):
                 read = await self.gateway.confirm(key, req)
-                await publish_input(
-                    self.js, self.subjects.report(key), encode(read), msg_id=f"{key}|{req}"
-                )
+                await self._outcome(key, read, f"{key}|{req}")
                 kind = "confirm"
             case WriteRequested(write=w):
                 done: WriteDone = await self.gateway.write(key, w)
                 metrics.K8S_WRITES.labels(w.verb, done.outcome).inc()
                 if w.verb != "event":
-                    await publish_input(
-                        self.js, self.subjects.report(key), encode(done), msg_id=f"{key}|{w.id}"
-                    )
+                    await self._outcome(key, done, f"{key}|{w.id}")
                 kind = f"write_{w.verb}"
             case _Fire(timer=t):
-                fired = TimerFired(t.fence, t.timer_id)
-                await publish_input(
-                    self.js, self.subjects.report(key), encode(fired), msg_id=f"{key}|{t.timer_id}"
-                )
+                await self._outcome(key, TimerFired(t.fence, t.timer_id), f"{key}|{t.timer_id}")
                 kind = "timer"
             case TimerArmed():
                 self._arm(str(key), work)
                 return
         metrics.EFFECT_SECONDS.labels(kind).observe(time.perf_counter() - start)
+
+    async def _outcome(self, key: Key, inp: Input, msg_id: str) -> None:
+        """Outcomes this reconciler produced itself go straight to the key's decide loop: they need
+        no durability of their own, because the effect that produced them stays in the outbox until
+        the outcome is decided, and a crash re-derives it. When the partition is not (or no longer)
+        ours in-process, the outcome goes through the bus to whoever owns it."""
+        if self.feed is not None and await self.feed(str(key), inp):
+            return
+        await publish_input(self.js, self.subjects.report(key), encode(inp), msg_id=msg_id)

@@ -19,6 +19,7 @@ from shared.schema import HostHeartbeat
 log = logging.getLogger(__name__)
 
 _decoder = msgspec.json.Decoder(HostHeartbeat)
+LIVE_CACHE_S = 0.5
 
 
 @dataclass
@@ -35,9 +36,12 @@ class HostsView:
     stale_after_s: float = 15.0
     hosts: dict[str, _Host] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _live: list[HostView] | None = None
+    _live_at: float = 0.0
 
     def update(self, beat: HostHeartbeat) -> None:
         self.hosts[beat.host] = _Host(beat, time.monotonic())
+        self._live = None
         self.changed.set()
 
     def remove(self, host: str) -> None:
@@ -49,10 +53,16 @@ class HostsView:
             h.placed_vms += 1
             h.placed_cpus += cpus
             h.placed_mib += memory_mib
+            self._live = None
 
     def live(self) -> list[HostView]:
+        """Live hosts; recomputed at most every LIVE_CACHE_S (placement counts are exact anyway:
+        ``placed`` invalidates)."""
         now = time.monotonic()
-        return [
+        if self._live is not None and now - self._live_at < LIVE_CACHE_S:
+            return self._live
+        self._live_at = now
+        self._live = [
             HostView(
                 name=name,
                 cpus_free=h.beat.cpus_free - h.placed_cpus,
@@ -62,6 +72,7 @@ class HostsView:
             for name, h in sorted(self.hosts.items())
             if now - h.seen < self.stale_after_s
         ]
+        return self._live
 
     def ages(self) -> list[tuple[HostHeartbeat, float]]:
         now = time.monotonic()

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -27,7 +27,10 @@ from shared.bus import LostRace, dead_letter, fenced_append, read_stream, read_s
 from shared.decide import DecideEnv, decide
 from shared.schema import (
     Commanded,
+    ConfirmedRead,
     ConfirmRequested,
+    Decision,
+    Done,
     Input,
     LogEntry,
     Placed,
@@ -39,7 +42,7 @@ from shared.schema import (
     decode_input,
     encode,
 )
-from shared.state import Effect, KeyState, fold_all
+from shared.state import Effect, KeyState, decode_state, encode_state, fold_all
 from shared.subjects import Key, Subjects
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 MAX_INFLIGHT = 1024  # inputs being handled at once in one partition
 MAX_RACE_RETRIES = 8  # lost races on one input before giving up (and not acking it)
 FETCH_TIMEOUT_S = 1.0
+CONFIRM_INLINE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -73,6 +77,7 @@ class Partition:
         snapshots: SnapshotStore | None,
         env: Callable[[], DecideEnv],
         on_placed: Callable[[str, int, int], None] = lambda host, cpus, mib: None,
+        confirm: Callable[[Key, str], Awaitable[ConfirmedRead]] | None = None,
         ack_wait_s: float = 10.0,
         max_ack_pending: int = 4096,
         fetch_batch: int = 256,
@@ -85,6 +90,7 @@ class Partition:
         self.snapshots = snapshots
         self.env = env
         self.on_placed = on_placed
+        self.confirm = confirm
         self.ack_wait_s = ack_wait_s
         self.max_ack_pending = max_ack_pending
         self.fetch_batch = fetch_batch
@@ -214,6 +220,16 @@ class Partition:
             with contextlib.suppress(nats.errors.Error):
                 await msg.ack()
 
+    async def feed(self, key: str, inp: Input) -> bool:
+        """Decide an outcome this process produced (see EffectRunner._outcome); False if not ours."""
+        if not self.held:
+            return False
+        slot = self._slot(key)
+        async with slot.lock:
+            if not self.held:
+                return False
+            return await self._process(slot, inp, None)
+
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
         log.warning("dead letter: %s", reason, extra={"partition": self.p})
         metrics.DEAD_LETTERS.labels(reason.split(":")[0]).inc()
@@ -228,6 +244,8 @@ class Partition:
         key = slot.state.key
         for _ in range(MAX_RACE_RETRIES):
             decisions = decide(slot.state, inp, self.env())
+            if self.confirm is not None and len(decisions) == 1 and isinstance(decisions[0], ConfirmRequested):
+                decisions = await self._confirm_inline(slot.state, decisions)
             if not decisions:
                 metrics.INPUTS.labels(kind, "dropped").inc()
                 self.stats["dropped"] += 1
@@ -270,6 +288,20 @@ class Partition:
         log.error("gave up after %d lost races", MAX_RACE_RETRIES, extra={"key": key})
         return False
 
+    async def _confirm_inline(self, state: KeyState, decisions: list[Decision]) -> list[Decision]:
+        """Carry out a lone consistent read before appending, and append the request, its answer
+        and what follows as one entry: the same decisions in the same order as two entries would
+        hold, one append and no outbox round trip. A failed read leaves the request to the outbox."""
+        req = decisions[0]
+        assert isinstance(req, ConfirmRequested) and self.confirm is not None
+        try:
+            read = await asyncio.wait_for(self.confirm(_key(state.key), req.request), CONFIRM_INLINE_TIMEOUT_S)
+        except Exception as exc:
+            log.info("inline confirm failed (%r); leaving it to the outbox", exc, extra={"key": state.key})
+            return decisions
+        after = fold_all(_copy_state(state), decisions)
+        return decisions + decide(after, read, self.env())
+
     def _after_append(self, key: str, decisions: list) -> None:  # type: ignore[type-arg]
         effects: list[Effect] = []
         for d in decisions:
@@ -285,20 +317,21 @@ class Partition:
                     metrics.POD_LIFECYCLE.labels("place", "ok", "").inc()
                 case Commanded() | ConfirmRequested() | WriteRequested() | TimerArmed():
                     effects.append(d)
+                case Done(effect_id=eid):
+                    effects = [e for e in effects if not (isinstance(e, ConfirmRequested) and e.request == eid)]
                 case _:
                     pass
         if effects:
             self.effects.submit_all(key, effects)
 
     # ------------------------------------------------------------------------ snapshots
-    def snapshot_rows(self) -> tuple[list[tuple[str, int, KeyState]], int]:
+    def snapshot_rows(self) -> tuple[list[tuple[str, int, bytes]], int]:
         """Dirty rows and a watermark below which every entry of this partition is in them."""
         watermark = min(self._inflight_floors) if self._inflight_floors else self._max_seen
-        rows: list[tuple[str, int, KeyState]] = []
+        rows: list[tuple[str, int, bytes]] = []
         for key, slot in self.keys.items():
             if slot.dirty:
-                rows.append((key, slot.last_seq, msgspec.msgpack.decode(
-                    msgspec.msgpack.encode(slot.state), type=KeyState)))
+                rows.append((key, slot.last_seq, encode_state(slot.state)))
                 slot.dirty = False
         return rows, watermark
 
@@ -308,6 +341,10 @@ class Partition:
         rows, watermark = self.snapshot_rows()
         if rows or watermark:
             await self.snapshots.save(self.p, rows, watermark)
+
+
+def _copy_state(state: KeyState) -> KeyState:
+    return decode_state(encode_state(state))
 
 
 def _key(text: str) -> Key:

@@ -31,6 +31,7 @@ from shared.bus import Bus, LeaseLost, PartitionLease, StreamsConfig, provision
 from shared.decide import DecideEnv
 from shared.httpserve import HealthServer
 from shared.logs import setup_logging
+from shared.schema import Input
 from shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,10 @@ class Reconciler:
         part = self.partitions.get(p)
         return part is not None and part.held
 
+    async def _feed(self, key: str, inp: Input) -> bool:
+        part = self.partitions.get(self.subjects.partition(key))
+        return part is not None and await part.feed(key, inp)
+
     def stop(self) -> None:
         self._stop.set()
 
@@ -96,7 +101,9 @@ class Reconciler:
             self.snapshots = SnapshotStore(os.path.join(cfg.data_dir, f"snapshot-{self.safe_id()}.sqlite"))
             await self.snapshots.open(stream_identity=str(identity))
             gateway = self._gateway or await _default_gateway(cfg)
-            self.effects = EffectRunner(bus.js, self.subjects, gateway, workers=cfg.effect_workers, owns=self.owns)
+            self.effects = EffectRunner(
+                bus.js, self.subjects, gateway, workers=cfg.effect_workers, owns=self.owns, feed=self._feed
+            )
             leases_kv = await bus.js.key_value(self.subjects.kv_leases)
             hosts_kv = await bus.js.key_value(self.subjects.kv_hosts)
             if self._health_enabled:
@@ -191,6 +198,7 @@ class Reconciler:
         part = Partition(
             p, js=self.bus.js, subjects=self.subjects, writer=self.writer, effects=self.effects,
             snapshots=self.snapshots, env=self.env, on_placed=self.hosts.placed,
+            confirm=self.effects.gateway.confirm,
             ack_wait_s=self.cfg.ack_wait_s, max_ack_pending=self.cfg.max_ack_pending,
             fetch_batch=self.cfg.fetch_batch,
         )

@@ -11,7 +11,7 @@ import os
 
 import aiosqlite
 
-from shared.state import KeyState, decode_state, encode_state
+from shared.state import KeyState, decode_state
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS keys (
@@ -62,10 +62,12 @@ class SnapshotStore:
                 keys[key] = (decode_state(blob), int(last_seq))
         return watermark, keys
 
-    async def save(self, partition: int, rows: list[tuple[str, int, KeyState]], watermark: int) -> None:
+    async def save(self, partition: int, rows: list[tuple[str, int, bytes]], watermark: int) -> None:
+        """Rows carry encoded states (shared.state.encode_state), taken at one instant with
+        ``watermark``."""
         await self.db.executemany(
             "INSERT OR REPLACE INTO keys(key, partition, last_seq, state) VALUES(?, ?, ?, ?)",
-            [(key, partition, seq, encode_state(state)) for key, seq, state in rows],
+            [(key, partition, seq, state) for key, seq, state in rows],
         )
         await self.db.execute(
             "INSERT OR REPLACE INTO partitions(partition, watermark) VALUES(?, ?)", (partition, watermark)
