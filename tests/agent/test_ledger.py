@@ -1,0 +1,75 @@
+"""Ledger-level rules: reservations belong to (vm_id, uid, epoch); tombstones and results persist."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.agent.executor import fence_verdict
+from services.agent.ledger import Ledger, ReservationConflict, VMRow
+from shared.schema import CommandResult, Spec
+
+from .conftest import fence
+
+
+async def test_reservations_are_freed_only_by_their_owner(tmp_path: Path) -> None:
+    ledger = Ledger(str(tmp_path / "l.sqlite3"))
+    await ledger.open()
+    try:
+        old, new = fence(1), fence(2)
+        await ledger.reserve("vnc", "12", "vm-a", old)
+        await ledger.reserve("vnc", "12", "vm-a", old)  # idempotent for the owner
+        with pytest.raises(ReservationConflict):
+            await ledger.reserve("vnc", "12", "vm-b", new)  # someone else cannot claim it
+        with pytest.raises(ReservationConflict):
+            await ledger.release("vnc", "12", "vm-a", new)  # a newer fence is not the owner
+        with pytest.raises(ReservationConflict):
+            await ledger.release("vnc", "12", "vm-b", old)  # nor is another VM of the same fence
+        assert await ledger.reservation_owner("vnc", "12") == ("vm-a", old.uid, old.epoch)
+        assert await ledger.release("vnc", "12", "vm-a", old) is True
+        assert await ledger.release("vnc", "12", "vm-a", old) is False  # already free
+        await ledger.reserve("vnc", "12", "vm-b", new)  # free again: anyone may take it
+        # burying a VM releases only what its owner holds on it; snapshots outlive the VM
+        await ledger.reserve("port", "20000", "vm-b", new)
+        await ledger.reserve("snapshot", "/s/vm-b.snap", "vm-b", new)
+        await ledger.bury("vm-b", "removed", old)  # not the owner: nothing released
+        assert len(await ledger.reservations("vm-b")) == 3
+        await ledger.bury("vm-b", "removed", new)
+        assert [r.kind for r in await ledger.reservations("vm-b")] == ["snapshot"]
+    finally:
+        await ledger.close()
+
+
+async def test_ledger_survives_reopen(tmp_path: Path) -> None:
+    path = str(tmp_path / "l.sqlite3")
+    ledger = Ledger(path)
+    await ledger.open()
+    f = fence(3)
+    await ledger.put_vm(VMRow(vm_id="vm-c", fence=f, state="creating", spec=Spec(cpus=2)))
+    res = CommandResult(fence=f, command_id="c1", op="remove", host="h", vm_id="vm-d", outcome="ok")
+    await ledger.record(res, bury=("removed", f))
+    await ledger.close()
+    again = Ledger(path)
+    await again.open()
+    try:
+        row = again.vm("vm-c")
+        assert row is not None and row.fence == f and row.state == "creating" and row.spec.cpus == 2
+        assert await again.result("c1") == res
+        tomb = again.tombstone("vm-d")
+        assert tomb is not None and tomb.reason == "removed"
+    finally:
+        await again.close()
+
+
+def test_fence_verdicts() -> None:
+    owner = fence(2)
+    assert fence_verdict("start", owner, owner) is None
+    assert fence_verdict("start", fence(1), owner) is not None  # older: refused
+    assert fence_verdict("remove", fence(1), owner) is not None
+    assert fence_verdict("remove", owner, owner) is None  # the owner's own cleanup
+    assert fence_verdict("adopt", fence(3), owner) is None  # adopt carries a newer fence
+    assert fence_verdict("create", fence(3), owner) is not None  # only adopt moves ownership
+    assert fence_verdict("start", fence(2, uid="other"), owner) is not None
+    assert fence_verdict("remove", fence(3, key="other/key"), owner) is not None
+    assert fence_verdict("create", fence(1), None) is None
