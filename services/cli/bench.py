@@ -66,7 +66,7 @@ async def raw_publish_rates(bus: Bus, n: int) -> tuple[float, float]:
     return sync_rate, async_rate
 
 
-async def _fake_agent(bus: Bus, host: str, stop: asyncio.Event) -> int:
+async def answer_commands(bus: Bus, host: str, stop: asyncio.Event) -> int:
     """Answers every command at once (`ok`), as an agent with an infinitely fast runtime would."""
     subjects = bus.subjects
     psub = await bus.js.pull_subscribe(
@@ -106,7 +106,7 @@ def fake_agents_main(url: str, partitions: int) -> None:
         stop = asyncio.Event()
         async with asyncio.TaskGroup() as tg:
             for host in ("host-a", "host-b"):
-                tg.create_task(_fake_agent(bus, host, stop))
+                tg.create_task(answer_commands(bus, host, stop))
 
     try:
         asyncio.run(run())

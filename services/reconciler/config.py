@@ -87,6 +87,8 @@ def parse(argv: list[str] | None = None) -> ReconcilerConfig:
     p.add_argument("--log-format", default=_env("LOG_FORMAT", "json"))
     p.add_argument("--lease-ttl", default=_env("LEASE_TTL", "10"))
     p.add_argument("--max-partitions", default=_env("MAX_PARTITIONS", "0"))
+    p.add_argument("--snapshot-interval", default=_env("SNAPSHOT_INTERVAL", "2"))
+    p.add_argument("--restart-backoff", default=_env("RESTART_BACKOFF", "10"), help="first VM restart delay (s)")
     a = p.parse_args(argv)
     prefix = a.prefix
     if not prefix or not prefix.replace("_", "").replace("-", "").isalnum():
@@ -120,4 +122,6 @@ def parse(argv: list[str] | None = None) -> ReconcilerConfig:
         log_format=a.log_format,
         lease_ttl_s=_float("VMFENCE_LEASE_TTL", a.lease_ttl, 1.0),
         max_partitions=_int("VMFENCE_MAX_PARTITIONS", a.max_partitions, 0, 4096),
+        snapshot_interval_s=_float("VMFENCE_SNAPSHOT_INTERVAL", a.snapshot_interval, 0.05),
+        restart_backoff_base_s=_float("VMFENCE_RESTART_BACKOFF", a.restart_backoff, 0.0),
     )

@@ -1,0 +1,47 @@
+"""Small helpers for reconciler tests: publishing inputs, reading a key's log, waiting on state."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from shared.bus import Bus, publish_input, read_stream
+from shared.schema import HostHeartbeat, LogEntry, Observed, decode_entry, encode
+from shared.subjects import Key
+
+WAIT_S = 30.0
+
+
+async def heartbeat(bus: Bus, *hosts: str) -> None:
+    kv = await bus.js.key_value(bus.subjects.kv_hosts)
+    for host in hosts:
+        await kv.put(host, encode(HostHeartbeat(host, "sim", 64, 64, 65536, 65536, 0, time.time())))
+
+
+async def observe(bus: Bus, key: Key, uid: str, rv: int, **kw: object) -> None:
+    obs = Observed(str(key), uid, rv, **kw)  # type: ignore[arg-type]
+    await publish_input(bus.js, bus.subjects.observation(key), encode(obs), msg_id=f"{uid}:{rv}")
+
+
+async def log_entries(bus: Bus) -> list[tuple[int, LogEntry]]:
+    return [
+        (m.seq, decode_entry(m.data))
+        async for m in read_stream(bus.js, bus.subjects.stream_log, bus.subjects.log_all)
+    ]
+
+
+async def wait_until(check: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    """Poll a condition on in-process state (no event exists for "all keys bound")."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def per_key(entries: list[tuple[int, LogEntry]]) -> dict[str, list[LogEntry]]:
+    out: dict[str, list[LogEntry]] = {}
+    for _, e in entries:
+        out.setdefault(e.key, []).append(e)
+    return out

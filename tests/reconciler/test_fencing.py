@@ -1,0 +1,90 @@
+"""Rule 1 on a real nats-server: two writers on one partition never fork a key's log; malformed
+inputs go to the dead-letter stream and do not stop the partition."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from services.reconciler.effects import EffectRunner
+from services.reconciler.kube import NullGateway
+from services.reconciler.partition import Partition
+from shared.audit import audit
+from shared.bus import Bus, StreamsConfig, provision, read_stream
+from shared.decide import DecideEnv, HostView
+from shared.natsserver import NatsServer
+from shared.schema import Observed, Spec
+from shared.subjects import Key, Subjects
+from tests.reconciler.helpers import log_entries, observe, per_key, wait_until
+
+ENV = DecideEnv(hosts=[HostView("host-a", 64, 65536)])
+
+
+@pytest.fixture
+async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
+    b = await Bus.open(nats_server.url, name="test", subjects=Subjects(partitions=1))
+    await provision(b.js, b.subjects, StreamsConfig(partitions=1))
+    yield b
+    await b.close()
+
+
+def _partition(bus: Bus, writer: str, gateway: NullGateway) -> Partition:
+    effects = EffectRunner(bus.js, bus.subjects, gateway)
+    return Partition(
+        0, js=bus.js, subjects=bus.subjects, writer=writer, effects=effects, snapshots=None,
+        env=lambda: ENV, confirm=gateway.confirm,
+    )
+
+
+async def test_two_writers_on_one_partition_never_fork_a_log(bus: Bus) -> None:
+    gateway = NullGateway()
+    keys = [Key("pod", "default", f"web.{i}") for i in range(12)]
+    for i, k in enumerate(keys):
+        gateway.objects[str(k)] = (f"uid-{i}", 1, Spec())
+    a, b = _partition(bus, "writer-a", gateway), _partition(bus, "writer-b", gateway)
+    # both believe they own partition 0 (no lease at all) and decide the same inputs at once
+    for round_ in range(3):
+        jobs = []
+        for i, k in enumerate(keys):
+            obs = Observed(str(k), f"uid-{i}", 1 + round_, spec=Spec(cpus=1 + round_ % 2))
+            jobs += [a.feed(str(k), obs), b.feed(str(k), obs)]
+        results = await asyncio.gather(*jobs)
+        assert all(results)
+    races = a.stats["lost_races"] + b.stats["lost_races"]
+    assert races > 0, "the two writers never raced; the test proves nothing"
+    entries = await log_entries(bus)
+    for key, log in per_key(entries).items():
+        assert [e.n for e in log] == list(range(1, len(log) + 1)), f"forked or gapped log for {key}"
+    report = audit(entries, final=False)
+    assert report.clean, report.violations
+    # the loser re-folded: neither writer is ahead of the log, and one of them is at its end
+    logs = per_key(entries)
+    for k in keys:
+        na, nb = a.keys[str(k)].state.n, b.keys[str(k)].state.n
+        assert max(na, nb) == len(logs[str(k)]) and min(na, nb) <= len(logs[str(k)])
+
+
+async def test_malformed_input_goes_to_the_dead_letter_stream_and_the_partition_goes_on(bus: Bus) -> None:
+    gateway = NullGateway()
+    key = Key("pod", "default", "ok")
+    gateway.objects[str(key)] = ("uid-ok", 1, Spec())
+    part = _partition(bus, "writer", gateway)
+    task = asyncio.create_task(part.run())
+    try:
+        subject = bus.subjects.observation(key)
+        await bus.js.publish(subject, b"{not json", headers={"Nats-Msg-Id": "garbage-1"})
+        await bus.js.publish(subject, b'{"type":"observed","key":"other/key","uid":"x","resource_version":1}')
+        await observe(bus, key, "uid-ok", 1)
+        await wait_until(lambda: str(key) in part.keys and part.keys[str(key)].state.cur is not None, "admission")
+        dead = [m async for m in read_stream(bus.js, bus.subjects.stream_dlq)]
+        reasons = [m.headers.get("Vmfence-Reason", "") for m in dead]
+        assert len(dead) == 2
+        assert reasons[0].startswith("undecodable input") and "on the subject of" in reasons[1]
+        assert dead[0].data == b"{not json", "nothing is lost: the original bytes are kept"
+    finally:
+        part.held = False
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
