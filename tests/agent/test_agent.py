@@ -206,6 +206,9 @@ async def test_malformed_command_goes_to_dlq(
             assert m.headers["Vmfence-Original-Subject"] == Subjects().command(HOST)
         assert "malformed command" in reasons[0] and "vm_id" in reasons[1]
         assert agent.ledger.vm("ok-1") is not None
+    # everything was acked (dead letters included): the work-queue stream is empty
+    info = await js.stream_info("VMFENCE_CMD")
+    assert info.state.messages == 0
 
 
 async def test_exit_gone_heartbeat_http_and_hibernate(
