@@ -78,10 +78,9 @@ async def answer_commands(bus: Bus, host: str, stop: asyncio.Event) -> int:
             msgs = await psub.fetch(256, timeout=0.5)
         except TimeoutError:
             continue
-        except Exception:
-            if stop.is_set():
-                break
-            raise
+        except Exception:  # a leader election or reconnect: try again shortly
+            await asyncio.sleep(0.2)
+            continue
         acks = []
         for m in msgs:
             cmd = decode_command(m.data)
@@ -92,7 +91,10 @@ async def answer_commands(bus: Bus, host: str, stop: asyncio.Event) -> int:
                 )
             )
             answered += 1
-        await asyncio.wait_for(asyncio.gather(*acks), 30)
+        try:
+            await asyncio.wait_for(asyncio.gather(*acks), 30)
+        except Exception:  # unanswered: not acked, so the commands come again
+            continue
         for m in msgs:
             await m.ack()
     return answered

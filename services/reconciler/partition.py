@@ -51,6 +51,7 @@ MAX_INFLIGHT = 1024  # inputs being handled at once in one partition
 MAX_RACE_RETRIES = 8  # lost races on one input before giving up (and not acking it)
 FETCH_TIMEOUT_S = 1.0
 CONFIRM_INLINE_TIMEOUT_S = 5.0
+CONSUMER_RESTART_S = 0.5
 
 
 @dataclass
@@ -160,6 +161,18 @@ class Partition:
 
     # ------------------------------------------------------------------------ consuming
     async def run(self) -> None:
+        """Consume until the lease is gone; bus trouble (leader elections, reconnects) restarts
+        the consumer after a pause instead of ending the partition."""
+        while self.held:
+            try:
+                await self._consume()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("consumer restarting after %r", exc, extra={"partition": self.p})
+                await asyncio.sleep(CONSUMER_RESTART_S)
+
+    async def _consume(self) -> None:
         cfg = api.ConsumerConfig(
             durable_name=f"reconciler-p{self.p}",
             filter_subject=self.subjects.in_partition(self.p),
@@ -183,8 +196,6 @@ class Partition:
                         msgs = await psub.fetch(self.fetch_batch, timeout=FETCH_TIMEOUT_S)
                     except (nats.errors.TimeoutError, TimeoutError):
                         continue
-                    except nats.errors.ConnectionClosedError:
-                        return
                     for m in msgs:
                         await sem.acquire()
                         tg.create_task(self._handle_released(m, sem))
@@ -197,6 +208,11 @@ class Partition:
     async def _handle_released(self, msg: Msg, sem: asyncio.Semaphore) -> None:
         try:
             await self.handle(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # not acked: JetStream redelivers it after ack_wait, to us or to the next owner
+            log.warning("input not handled, left for redelivery: %r", exc, extra={"partition": self.p})
         finally:
             sem.release()
 
