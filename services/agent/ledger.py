@@ -14,6 +14,7 @@ through, so probes and event handlers can check ownership cheaply right before t
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -23,6 +24,8 @@ import aiosqlite
 import msgspec
 
 from shared.schema import CommandResult, Fence, Spec, decode_input, encode
+
+log = logging.getLogger("vmfence.agent.ledger")
 
 LEDGER_FILE = "ledger.sqlite3"
 BUSY_TIMEOUT_MS = 5000
@@ -252,7 +255,12 @@ class Ledger:
             if put is not None:
                 await _upsert(db, put)
                 for kind, resource in claim:
-                    await _claim(db, kind, resource, put.vm_id, put.fence, now)
+                    try:
+                        await _claim(db, kind, resource, put.vm_id, put.fence, now)
+                    except ReservationConflict as e:
+                        # the runtime just assigned it to this VM, so the holder's VM no longer has
+                        # it; never take it over silently, never wedge the command on it either
+                        log.warning("reservation not recorded: %s", e, extra={"vm_id": put.vm_id})
             if transfer_to is not None:
                 await db.execute(
                     "UPDATE reservations SET uid = ?, epoch = ? WHERE vm_id = ? AND kind != 'snapshot'",

@@ -262,3 +262,34 @@ async def test_exit_gone_heartbeat_http_and_hibernate(
                 assert resp.status == 200
             async with s.get(base + "/readyz") as resp:
                 assert resp.status == 200
+
+
+async def test_serial_per_vm_concurrent_across_vms(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig]
+) -> None:
+    cfg = make_config()
+    f = fence(1)
+    driver = sim_driver(cfg)
+    driver.faults.delay("create", 1.0, vm_id="slow-1")
+    async with Agent(cfg, driver=driver):
+        slow, fast, rm = command("create", "slow-1", f), command("create", "fast-1", f), command("remove", "slow-1", f)
+        for c in (slow, fast, rm):
+            await send(nc, c)
+        await reports.wait(is_result(rm.id))
+        order = [i.command_id for i in reports.items if isinstance(i, CommandResult)]
+        assert order == [fast.id, slow.id, rm.id]  # fast did not wait; the remove waited for its create
+        assert reports.of(CommandResult, command_id=rm.id)[0].outcome == "ok"
+        assert driver.all_vms() == ["fast-1"]
+
+
+async def test_cleanup_on_stop_removes_own_vms(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig]
+) -> None:
+    cfg = make_config(cleanup_on_stop=True)
+    driver = sim_driver(cfg)
+    async with Agent(cfg, driver=driver):
+        c = command("create", "tmp-1", fence(1))
+        await send(nc, c)
+        await reports.wait(is_result(c.id))
+        assert driver.running_vms() == ["tmp-1"]
+    assert driver.all_vms() == []
