@@ -1,4 +1,4 @@
-"""`vmfence demo`, `up`, `status` and `bench` (filled in as the stack grows)."""
+"""Registration of the stack-level commands: demo, up, status, bench."""
 
 from __future__ import annotations
 
@@ -6,6 +6,12 @@ import argparse
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from services.cli import bench
+    from services.cli import bench, status
 
     bench.add_parsers(sub)
+    status.add_parser(sub)
+    try:
+        from services.cli import demo
+    except ImportError:  # pragma: no cover - during development only
+        return
+    demo.add_parsers(sub)
