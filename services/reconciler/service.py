@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 import nats.errors
 import nats.js.errors
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 MEMBER_PREFIX = "member."
 FLEET_LEASE = "fleet"
-SNAPSHOT_STOP_TIMEOUT_S = 10.0
+FLEET_SYNC_S = 2.0
 
 
 class Reconciler:
@@ -81,6 +82,10 @@ class Reconciler:
         part = self.partitions.get(self.subjects.partition(key))
         return part is not None and await part.feed(key, inp)
 
+    def _host_ip(self, host: str) -> str | None:
+        h = self.hosts.hosts.get(host)
+        return h.beat.ip if h is not None else None
+
     def stop(self) -> None:
         self._stop.set()
 
@@ -100,7 +105,7 @@ class Reconciler:
             identity = f"{info.config.name}:{info.created}" if hasattr(info, "created") else info.config.name or ""
             self.snapshots = SnapshotStore(os.path.join(cfg.data_dir, f"snapshot-{self.safe_id()}.sqlite"))
             await self.snapshots.open(stream_identity=str(identity))
-            gateway = self._gateway or await _default_gateway(cfg)
+            gateway = self._gateway or await _default_gateway(cfg, self._host_ip)
             self.effects = EffectRunner(
                 bus.js, self.subjects, gateway, workers=cfg.effect_workers, owns=self.owns, feed=self._feed
             )
@@ -114,11 +119,13 @@ class Reconciler:
                 effects_task = tg.create_task(self.effects.run())
                 snap_task = tg.create_task(self._snapshot_loop())
                 lease_task = tg.create_task(self._lease_loop(leases_kv, tg))
+                fleet_task = tg.create_task(self._fleet_loop(leases_kv, gateway))
                 await self._stop.wait()
                 lease_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await lease_task
                 await self._release_all()
+                fleet_task.cancel()
                 snap_task.cancel()
                 hosts_task.cancel()
                 effects_task.cancel()
@@ -232,6 +239,33 @@ class Reconciler:
             await self._drop(p, release=True)
         metrics.PARTITIONS_OWNED.labels(self.writer).set(0)
 
+    async def _fleet_loop(self, kv: KeyValue, gateway: KubeGateway) -> None:
+        """Writes that belong to no pod key (virtual Nodes) are made by whoever holds ``fleet``."""
+        from services.reconciler.kube import K8sGateway
+        from services.reconciler.nodes import sync_nodes
+
+        if not isinstance(gateway, K8sGateway):
+            return
+        lease = PartitionLease(kv, FLEET_LEASE, self.writer, ttl_hint_s=self.cfg.lease_ttl_s)
+        interval = max(0.2, min(self.cfg.lease_ttl_s / 3, FLEET_SYNC_S))
+        while True:
+            try:
+                if lease.revision is None:
+                    await lease.acquire()
+                else:
+                    await lease.renew()
+                if lease.revision is not None:
+                    await sync_nodes(gateway.api, self.hosts.ages(), stale_after_s=self.cfg.host_stale_s)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await lease.release()
+                raise
+            except LeaseLost:
+                pass
+            except Exception as exc:
+                log.warning("fleet sync failed: %r", exc)
+            await asyncio.sleep(interval)
+
     async def _snapshot_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.snapshot_interval_s)
@@ -242,12 +276,12 @@ class Reconciler:
                     log.warning("snapshot failed: %r", exc, extra={"partition": part.p})
 
 
-async def _default_gateway(cfg: ReconcilerConfig) -> KubeGateway:
+async def _default_gateway(cfg: ReconcilerConfig, host_ip: Callable[[str], str | None]) -> KubeGateway:
     from services.reconciler.kube import K8sGateway, NullGateway
 
     if cfg.kube == "none":
         return NullGateway()
-    return await K8sGateway.connect(kubeconfig=cfg.kubeconfig)
+    return await K8sGateway.connect(kubeconfig=cfg.kubeconfig, host_ip=host_ip, instance=cfg.owner_id())
 
 
 def main(argv: list[str] | None = None) -> int:
