@@ -123,9 +123,7 @@ async def load_api_client(kubeconfig: str | None) -> client.ApiClient:
 # ----------------------------------------------------------------------------- status building
 
 
-def _condition(
-    cur: dict[str, JSON], ctype: str, status: bool, reason: str, message: str | None = None
-) -> JSON:
+def _condition(cur: dict[str, JSON], ctype: str, status: bool, reason: str, message: str | None = None) -> JSON:
     """A condition; lastTransitionTime kept from the current one when the status did not change."""
     text = "True" if status else "False"
     prev = cur.get(ctype)
@@ -167,9 +165,7 @@ def _pod_conditions(cur: JSON, intent: PodStatusIntent) -> list[JSON]:
     done = intent.phase in ("Succeeded", "Failed")
     placed = intent.host is not None or intent.phase != "Pending"
     created = intent.vm_id is not None or intent.phase != "Pending"
-    not_ready_reason = (
-        "PodCompleted" if done else ("Hibernated" if intent.hibernated else "ContainersNotReady")
-    )
+    not_ready_reason = "PodCompleted" if done else ("Hibernated" if intent.hibernated else "ContainersNotReady")
     ours = [
         _condition(cur_by_type, "PodScheduled", placed, "Placed" if placed else "WaitingForHost"),
         _condition(cur_by_type, "Initialized", created, "VMCreated" if created else "VMNotCreated"),
@@ -177,9 +173,7 @@ def _pod_conditions(cur: JSON, intent: PodStatusIntent) -> list[JSON]:
         _condition(cur_by_type, "Ready", ready, "VMReady" if ready else not_ready_reason),
     ]
     if intent.hibernated:
-        ours.append(
-            _condition(cur_by_type, COND_HIBERNATED, True, "Hibernated", "the VM is saved to a snapshot")
-        )
+        ours.append(_condition(cur_by_type, COND_HIBERNATED, True, "Hibernated", "the VM is saved to a snapshot"))
     elif COND_HIBERNATED in cur_by_type:
         ours.append(_condition(cur_by_type, COND_HIBERNATED, False, "Woken"))
     if intent.invalid:
@@ -206,9 +200,7 @@ def _container_statuses(obj: JSON, cur: JSON, intent: PodStatusIntent) -> list[J
         state: JSON
         if running:
             started = (old_state.get("running") or {}).get("startedAt")
-            same_run = (
-                old.get("containerID") == container_id and old.get("restartCount") == intent.restart_count
-            )
+            same_run = old.get("containerID") == container_id and old.get("restartCount") == intent.restart_count
             state = {"running": {"startedAt": started if started and same_run else now_rfc3339()}}
         elif intent.phase in ("Succeeded", "Failed"):
             term = old_state.get("terminated") or {}
@@ -290,9 +282,7 @@ def vm_status(obj: JSON, intent: PodStatusIntent, epoch: int) -> JSON:
     ours = [_condition(cur_by_type, "Ready", ready, "VMReady" if ready else (intent.reason or "VMNotReady"))]
     if intent.hibernated or "Hibernated" in cur_by_type:
         ours.append(
-            _condition(
-                cur_by_type, "Hibernated", intent.hibernated, "Hibernated" if intent.hibernated else "Woken"
-            )
+            _condition(cur_by_type, "Hibernated", intent.hibernated, "Hibernated" if intent.hibernated else "Woken")
         )
     if intent.invalid:
         ours.append(_condition(cur_by_type, "SpecValid", False, "InvalidSpec", intent.invalid))
@@ -478,9 +468,7 @@ class K8sGateway:
         except TimeoutError:
             outcome, detail = "failed", f"timed out after {self.call_timeout_s}s"
         if write.verb == "event" and outcome != "ok":
-            log.warning(
-                "event %s for %s not written: %s", write.event_reason, key, detail, extra={"key": str(key)}
-            )
+            log.warning("event %s for %s not written: %s", write.event_reason, key, detail, extra={"key": str(key)})
             outcome = "failed"
         K8S_WRITES.labels(write.verb, outcome).inc()
         return WriteDone(fence=write.fence, write_id=write.id, outcome=outcome, detail=detail)  # type: ignore[arg-type]
@@ -671,9 +659,7 @@ class NullGateway:
     """No Kubernetes (benchmarks): confirm answers from ``objects`` ({key: (uid, rv, spec)}, keys
     as :class:`Key` or their string form), every write succeeds and is counted."""
 
-    def __init__(
-        self, objects: dict[Any, tuple[str, int, Spec]] | None = None, *, keep_last: int = 1000
-    ) -> None:
+    def __init__(self, objects: dict[Any, tuple[str, int, Spec]] | None = None, *, keep_last: int = 1000) -> None:
         self.objects: dict[Any, tuple[str, int, Spec]] = objects if objects is not None else {}
         self.counts: Counter[str] = Counter()
         self.last_writes: deque[tuple[Key, KubeWrite]] = deque(maxlen=keep_last)

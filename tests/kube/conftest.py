@@ -3,21 +3,27 @@ kubernetes-asyncio clients over HTTP, and (from tests/conftest.py) a real nats-s
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import nats
 import pytest
 from kubernetes_asyncio import client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from services.apiserver.server import ApiServer, ApiServerConfig, start_apiserver, write_kubeconfig
 from services.reconciler.kube import K8sGateway, load_api_client
-from shared.bus import StreamsConfig, provision
+from shared.bus import H_MSG_ID, StreamsConfig, provision
+from shared.schema import Observed, decode_input
 from shared.subjects import Subjects
 
 NS = "default"
 MERGE = "application/merge-patch+json"
+WAIT_S = 10.0
 VM_ARGS = ("vmfence.io", "v1alpha1", NS, "virtualmachines")
 
 
@@ -70,6 +76,51 @@ def subjects() -> Subjects:
 async def provisioned(js: JetStreamContext, subjects: Subjects) -> JetStreamContext:
     await provision(js, subjects, StreamsConfig(partitions=subjects.partitions))
     return js
+
+
+@dataclass
+class Seen:
+    subject: str
+    msg_id: str
+    obs: Observed
+
+
+class Tap:
+    """Every observation published (core NATS subscription: duplicates included), with waits."""
+
+    def __init__(self) -> None:
+        self.seen: list[Seen] = []
+        self.changed = asyncio.Condition()
+
+    async def on_msg(self, msg: Msg) -> None:
+        obs = decode_input(msg.data)
+        assert isinstance(obs, Observed)
+        self.seen.append(Seen(msg.subject, (msg.headers or {}).get(H_MSG_ID, ""), obs))
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def wait(self, pred: Callable[[Seen], bool], count: int = 1) -> list[Seen]:
+        async def matched() -> list[Seen]:
+            async with self.changed:
+                await self.changed.wait_for(lambda: len([s for s in self.seen if pred(s)]) >= count)
+                return [s for s in self.seen if pred(s)]
+
+        return await asyncio.wait_for(matched(), WAIT_S)
+
+    def of(self, uid: str) -> list[Seen]:
+        return [s for s in self.seen if s.obs.uid == uid]
+
+
+@pytest.fixture
+async def tap(nats_url: str, subjects: Subjects, provisioned: JetStreamContext) -> AsyncIterator[Tap]:
+    nc = await nats.connect(nats_url)
+    t = Tap()
+    await nc.subscribe(subjects.in_all, cb=t.on_msg)
+    await nc.flush()
+    try:
+        yield t
+    finally:
+        await nc.close()
 
 
 def pod_body(

@@ -126,9 +126,7 @@ async def test_hibernated_and_invalid_conditions(core: client.CoreV1Api, gateway
     assert st["containerStatuses"][0]["state"]["waiting"]["reason"] == "Hibernated"
     ann = (await raw_pod(core, "p"))["metadata"]["annotations"]
     assert "vmfence.io/vm-id" not in ann
-    bad = PodStatusIntent(
-        phase="Pending", invalid='vmfence.io/cpus: "lots" is not an integer between 1 and 64'
-    )
+    bad = PodStatusIntent(phase="Pending", invalid='vmfence.io/cpus: "lots" is not an integer between 1 and 64')
     assert (await gateway.write(key, status_write(uid, bad))).outcome == "ok"
     st = (await raw_pod(core, "p"))["status"]
     conds = {c["type"]: c for c in st["conditions"]}
@@ -236,9 +234,7 @@ async def test_eviction_fenced_by_uid(core: client.CoreV1Api, gateway: K8sGatewa
     assert not after["metadata"].get("deletionTimestamp")
     assert after["metadata"]["resourceVersion"] == succ["metadata"]["resourceVersion"]
     # evicting the current incarnation works
-    done = await gateway.write(
-        key, KubeWrite(id="e2", verb="evict", fence=Fence(str(key), succ["metadata"]["uid"], 2))
-    )
+    done = await gateway.write(key, KubeWrite(id="e2", verb="evict", fence=Fence(str(key), succ["metadata"]["uid"], 2)))
     assert done.outcome == "ok", done
     assert (await raw_pod(core, "p"))["metadata"]["deletionTimestamp"]
 
@@ -253,9 +249,7 @@ async def test_final_delete_grace_zero(core: client.CoreV1Api, gateway: K8sGatew
     assert (await gateway.confirm(key, "r")).uid is None
 
 
-async def test_final_delete_of_recreated_pod_is_superseded(
-    core: client.CoreV1Api, gateway: K8sGateway
-) -> None:
+async def test_final_delete_of_recreated_pod_is_superseded(core: client.CoreV1Api, gateway: K8sGateway) -> None:
     old_uid = (await create(core, "p"))["metadata"]["uid"]
     await core.delete_namespaced_pod("p", NS, grace_period_seconds=0)
     succ = await create(core, "p")
@@ -265,9 +259,7 @@ async def test_final_delete_of_recreated_pod_is_superseded(
     assert (await gateway.confirm(key, "r")).uid == succ["metadata"]["uid"]
 
 
-async def test_events_listed_and_idempotent(
-    server: ApiServer, core: client.CoreV1Api, gateway: K8sGateway
-) -> None:
+async def test_events_listed_and_idempotent(server: ApiServer, core: client.CoreV1Api, gateway: K8sGateway) -> None:
     uid = (await create(core, "p"))["metadata"]["uid"]
     key = Key("pod", NS, "p")
     ev = KubeWrite(

@@ -102,9 +102,7 @@ def test_invalid_annotation_names_field(ann: str, value: str, words: str) -> Non
 
 
 def test_invalid_restart_policy_and_multiple_errors() -> None:
-    spec, invalid = spec_of_pod(
-        pod({"vmfence.io/cpus": "x", "vmfence.io/memory": "1Gi"}, restartPolicy="Sometimes")
-    )
+    spec, invalid = spec_of_pod(pod({"vmfence.io/cpus": "x", "vmfence.io/memory": "1Gi"}, restartPolicy="Sometimes"))
     assert invalid is not None
     assert "vmfence.io/cpus" in invalid and 'spec.restartPolicy: "Sometimes"' in invalid
     assert "Always, OnFailure, Never" in invalid

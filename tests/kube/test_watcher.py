@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any
 
-import nats
-import pytest
 from kubernetes_asyncio import client
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from prometheus_client import REGISTRY
 
@@ -20,57 +16,9 @@ from services.apiserver.server import ApiServer, ApiServerConfig, start_apiserve
 from services.reconciler.kube import load_api_client
 from services.watcher.watch import Watcher
 from shared.bus import H_MSG_ID, read_stream
-from shared.schema import Observed, decode_input
 from shared.subjects import Key, Subjects
 
-from .conftest import MERGE, NS, VM_ARGS, pod_body, vm_body
-
-WAIT_S = 10.0
-
-
-@dataclass
-class Seen:
-    subject: str
-    msg_id: str
-    obs: Observed
-
-
-class Tap:
-    """Every observation published (core NATS subscription: duplicates included), with waits."""
-
-    def __init__(self) -> None:
-        self.seen: list[Seen] = []
-        self.changed = asyncio.Condition()
-
-    async def on_msg(self, msg: Msg) -> None:
-        obs = decode_input(msg.data)
-        assert isinstance(obs, Observed)
-        self.seen.append(Seen(msg.subject, (msg.headers or {}).get(H_MSG_ID, ""), obs))
-        async with self.changed:
-            self.changed.notify_all()
-
-    async def wait(self, pred: Callable[[Seen], bool], count: int = 1) -> list[Seen]:
-        async def matched() -> list[Seen]:
-            async with self.changed:
-                await self.changed.wait_for(lambda: len([s for s in self.seen if pred(s)]) >= count)
-                return [s for s in self.seen if pred(s)]
-
-        return await asyncio.wait_for(matched(), WAIT_S)
-
-    def of(self, uid: str) -> list[Seen]:
-        return [s for s in self.seen if s.obs.uid == uid]
-
-
-@pytest.fixture
-async def tap(nats_url: str, subjects: Subjects, provisioned: JetStreamContext) -> AsyncIterator[Tap]:
-    nc = await nats.connect(nats_url)
-    t = Tap()
-    await nc.subscribe(subjects.in_all, cb=t.on_msg)
-    await nc.flush()
-    try:
-        yield t
-    finally:
-        await nc.close()
+from .conftest import MERGE, NS, VM_ARGS, WAIT_S, Tap, pod_body, vm_body
 
 
 @contextlib.asynccontextmanager
@@ -81,6 +29,8 @@ async def running_watcher(
     try:
         async with Watcher(api, js, subjects, **kw) as w:
             await asyncio.wait_for(w.ready.wait(), WAIT_S)
+            for loop in w.loops:  # and every watch stream is open
+                await asyncio.wait_for(loop.wait_streams(0), WAIT_S)
             yield w
     finally:
         await api.close()
@@ -175,8 +125,6 @@ async def test_dropped_watch_reconnects_without_loss(
 ) -> None:
     async with running_watcher(kubeconfig, provisioned, subjects) as w:
         before = metric("vmfence_watch_restarts_total", reason="dropped")
-        for loop in w.loops:
-            await asyncio.wait_for(loop.wait_streams(0), WAIT_S)
         for round_ in range(3):
             opened = [loop.streams_opened for loop in w.loops]
             assert server.faults.drop_watches() >= 2
