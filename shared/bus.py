@@ -182,6 +182,10 @@ class Bus:
 # --- provisioning --------------------------------------------------------------------------------
 
 
+class ProvisionFailed(Exception):
+    """Streams could not be created/updated within the bounded retries (cluster busy or down)."""
+
+
 class PartitionMismatch(Exception):
     """An existing stream was provisioned with a different partition count (a migration)."""
 
@@ -303,19 +307,35 @@ async def _ensure_stream(js: JetStreamContext, want: api.StreamConfig, partition
     await js.update_stream(update)
 
 
+async def _ensure_stream_retrying(js: JetStreamContext, want: api.StreamConfig, partitions: int | None) -> None:
+    """_ensure_stream is idempotent, so a timeout or a busy/leaderless cluster is simply retried."""
+    retry = Retry()
+    while True:
+        try:
+            await _ensure_stream(js, want, partitions)
+            return
+        except nats.js.errors.APIError as exc:
+            if not _retriable_api_error(exc):
+                raise
+            last_error: BaseException = exc
+        except _TRANSIENT as exc:
+            last_error = exc
+        log.debug("provision %s: retry after %r", want.name, last_error)
+        if not await retry.backoff():
+            raise ProvisionFailed(f"provisioning {want.name} failed: {last_error!r}") from last_error
+
+
 async def provision(js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig) -> None:
     """Idempotently create/update the vmfence streams and KV buckets for this deployment."""
     if cfg.partitions != subjects.partitions:
-        raise ValueError(
-            f"StreamsConfig.partitions={cfg.partitions} but Subjects.partitions={subjects.partitions}"
-        )
+        raise ValueError(f"StreamsConfig.partitions={cfg.partitions} but Subjects.partitions={subjects.partitions}")
     if cfg.replicas not in (1, 3):
         raise ValueError("replicas must be 1 or 3")
     for sc in stream_configs(subjects, cfg):
         check = cfg.partitions if sc.name in (subjects.stream_in, subjects.stream_log) else None
-        await _ensure_stream(js, sc, check)
-    await _ensure_stream(js, kv_stream_config(subjects.kv_leases, cfg.lease_ttl_s, cfg), None)
-    await _ensure_stream(js, kv_stream_config(subjects.kv_hosts, cfg.hosts_ttl_s, cfg), None)
+        await _ensure_stream_retrying(js, sc, check)
+    await _ensure_stream_retrying(js, kv_stream_config(subjects.kv_leases, cfg.lease_ttl_s, cfg), None)
+    await _ensure_stream_retrying(js, kv_stream_config(subjects.kv_hosts, cfg.hosts_ttl_s, cfg), None)
 
 
 # --- reading -------------------------------------------------------------------------------------
@@ -372,6 +392,22 @@ def _reply_seq_pending(reply: str) -> tuple[int, int]:
     return int(tokens[7]), int(tokens[10])
 
 
+async def _last_matching_seq(js: JetStreamContext, stream: str, filter_subject: str | None) -> int:
+    """Sequence of the last stored message matching the filter (0 if none), asked of the leader."""
+    if filter_subject is not None:
+        filters = [filter_subject]
+    else:
+        filters = list((await js.stream_info(stream)).config.subjects or [])
+    best = 0
+    for f in filters:
+        try:
+            raw = await js.get_last_msg(stream, f)  # wildcards are allowed here
+        except nats.js.errors.NotFoundError:
+            continue
+        best = max(best, int(raw.seq or 0))
+    return best
+
+
 async def read_stream(
     js: JetStreamContext,
     stream: str,
@@ -383,15 +419,17 @@ async def read_stream(
 ) -> AsyncIterator[StoredMsg]:
     """Every stored message (optionally filtered) from start_seq in order, fast, for replay/export.
 
-    Stops at until_seq, or at the stream's last sequence when the call starts. Uses an ephemeral
-    AckNone pull consumer and keeps one batch request in flight ahead of the reader. Wrap it in
-    ``contextlib.aclosing`` when breaking out early so the consumer is deleted at once (it would
-    otherwise expire after READ_CONSUMER_IDLE_S).
+    Stops at until_seq, or at the last matching message when the call starts (asked of the stream
+    leader: an R1 read consumer may sit on a replica that is still catching up, so its "nothing
+    pending" is not trusted). Uses an ephemeral AckNone pull consumer and keeps one batch request in
+    flight ahead of the reader. Wrap it in ``contextlib.aclosing`` when breaking out early so the
+    consumer is deleted at once (it would otherwise expire after READ_CONSUMER_IDLE_S).
     """
-    info = await js.stream_info(stream)
-    last = info.state.last_seq if until_seq is None else min(until_seq, info.state.last_seq)
     start = max(start_seq, 1)
-    if last < start or info.state.messages == 0:
+    target = await _last_matching_seq(js, stream, filter_subject)
+    if until_seq is not None:
+        target = min(target, until_seq)
+    if target < start:
         return
     nc: Client = js._nc
     cfg = api.ConsumerConfig(
@@ -404,12 +442,20 @@ async def read_stream(
         num_replicas=1,
         max_waiting=16,
     )
-    cinfo = await js._jsm.add_consumer(stream, config=cfg, timeout=READ_TIMEOUT_S)
+    retry = Retry()
+    while True:  # a consumer create can time out while a restarted node rejoins: bounded retry
+        try:
+            cinfo = await js._jsm.add_consumer(stream, config=cfg, timeout=READ_TIMEOUT_S)
+            break
+        except nats.js.errors.APIError as exc:
+            if not _retriable_api_error(exc):
+                raise
+            last_error: BaseException = exc
+        except _TRANSIENT as exc:
+            last_error = exc  # an orphan from a lost reply expires by inactive_threshold
+        if not await retry.backoff():
+            raise last_error
     consumer = cinfo.name
-    pending_total = cinfo.num_pending or 0
-    if pending_total == 0:
-        await _delete_consumer_quietly(js, stream, consumer)
-        return
 
     inbox = nc.new_inbox()
     buf: deque[Msg] = deque()
@@ -429,6 +475,7 @@ async def read_stream(
     try:
         outstanding = 0  # messages requested and not yet received
         no_responders = Retry()
+        position = start - 1  # last sequence yielded (or skipped past)
         await request(batch)
         outstanding += batch
         while True:
@@ -445,9 +492,10 @@ async def read_stream(
                 if status in ("404", "408"):  # a pull request ran out: how much of it was unfilled?
                     unfilled = msg.headers.get("Nats-Pending-Messages") if msg.headers else None
                     outstanding = max(0, outstanding - int(unfilled)) if unfilled else 0
-                    ci = await js._jsm.consumer_info(stream, consumer, timeout=READ_TIMEOUT_S)
-                    if not ci.num_pending:
-                        return  # the rest was removed (age/limits) since the call started
+                    # Were the remaining messages removed (age, limits, delete) meanwhile?
+                    target = min(target, await _last_matching_seq(js, stream, filter_subject))
+                    if position >= target:
+                        return
                     if outstanding <= batch // 2:
                         await request(batch)
                         outstanding += batch
@@ -467,11 +515,12 @@ async def read_stream(
             if outstanding <= batch // 2:
                 await request(batch)
                 outstanding += batch
-            seq, pending = _reply_seq_pending(msg.reply)
-            if seq > last:
+            seq, _pending = _reply_seq_pending(msg.reply)
+            if seq > target:
                 return
+            position = seq
             yield StoredMsg(seq=seq, subject=msg.subject, headers=dict(msg.headers or {}), data=msg.data)
-            if seq >= last or pending == 0:
+            if seq >= target:
                 return
     finally:
         try:
@@ -553,9 +602,7 @@ async def fenced_append(
             ) from last_error
 
 
-async def _resolve_wrong_last(
-    js: JetStreamContext, stream: str, subject: str, msg_id: str, expected: int
-) -> int:
+async def _resolve_wrong_last(js: JetStreamContext, stream: str, subject: str, msg_id: str, expected: int) -> int:
     """10071: a benign retry if the subject's last message is ours, else a lost race."""
     retry = Retry()
     while True:
