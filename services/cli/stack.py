@@ -1,0 +1,229 @@
+"""A whole vmfence stack on this machine, for `vmfence up` and `vmfence demo`.
+
+Embedded nats-server, the development API server (unless a kubeconfig is given), the watcher and
+the agents in this process, and the reconcilers as child processes (so the demo can SIGKILL one
+and start it again, as an operator's node failure would). Everything writes under one directory
+(``.vmfence/run`` by default) and is stopped in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kubernetes_asyncio import client, config
+
+from services.agent.config import AgentConfig
+from services.agent.service import Agent
+from services.apiserver.server import ApiServer, ApiServerConfig, write_kubeconfig
+from services.watcher.watch import Watcher
+from shared.bus import Bus, StreamsConfig, provision
+from shared.natsserver import NatsServer, free_port, start_nats
+from shared.subjects import Subjects
+
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 20.0
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def qemu_available() -> bool:
+    return shutil.which("qemu-system-x86_64") is not None and shutil.which("qemu-img") is not None
+
+
+def pick_runtime(requested: str) -> str:
+    if requested == "auto":
+        return "qemu" if qemu_available() else "sim"
+    return requested
+
+
+@dataclass
+class ReconcilerProc:
+    name: str
+    port: int
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    kills: int = 0
+
+
+@dataclass
+class LocalStack:
+    root: Path
+    runtime: str = "sim"
+    partitions: int = 8
+    reconcilers: int = 2
+    hosts: tuple[str, ...] = ("host-a", "host-b")
+    kubeconfig: str | None = None  # an existing cluster instead of the development API server
+    restart_backoff_s: float = 1.0
+    host_cpus: int = 64
+    host_memory_mib: int = 65536
+    accel: str = "auto"
+    fresh: bool = True
+
+    subjects: Subjects = field(init=False)
+    nats: NatsServer | None = field(default=None, init=False)
+    apiserver: ApiServer | None = field(default=None, init=False)
+    kubeconfig_path: str = field(default="", init=False)
+    recs: dict[str, ReconcilerProc] = field(default_factory=dict, init=False)
+    agents: dict[str, Agent] = field(default_factory=dict, init=False)
+    watcher: Watcher | None = field(default=None, init=False)
+    bus: Bus | None = field(default=None, init=False)
+    api: client.ApiClient | None = field(default=None, init=False)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        self.subjects = Subjects(partitions=self.partitions)
+
+    # ------------------------------------------------------------------------- start
+    async def start(self, on_status: callable = lambda name, state: None) -> None:  # type: ignore[valid-type]
+        if self.fresh and self.root.exists():
+            shutil.rmtree(self.root)
+        (self.root / "logs").mkdir(parents=True, exist_ok=True)
+        on_status("nats", "starting")
+        self.nats = await start_nats(store_dir=str(self.root / "nats"))
+        on_status("nats", self.nats.url)
+        self.bus = await Bus.open(self.nats.url, name="vmfence-stack", subjects=self.subjects)
+        await provision(self.bus.js, self.subjects, StreamsConfig(partitions=self.partitions))
+        if self.kubeconfig is None:
+            on_status("apiserver", "starting")
+            self.apiserver = ApiServer(ApiServerConfig(db_path=None))
+            await self.apiserver.start()
+            self.kubeconfig_path = write_kubeconfig(self.apiserver.url, str(self.root / "kubeconfig"))
+            on_status("apiserver", self.apiserver.url)
+        else:
+            self.kubeconfig_path = self.kubeconfig
+        cfg = client.Configuration()
+        await config.load_kube_config(config_file=self.kubeconfig_path, client_configuration=cfg)
+        self.api = client.ApiClient(cfg)
+        for i in range(self.reconcilers):
+            name = f"reconciler-{i + 1}"
+            self.recs[name] = ReconcilerProc(name, free_port(), self.root / "logs" / f"{name}.log")
+            self.start_reconciler(name)
+            on_status(name, "starting")
+        for host in self.hosts:
+            agent_cfg = AgentConfig(
+                nats_url=self.nats.url, host=host, runtime=self.runtime,
+                data_dir=str(self.root / "agents" / host), http_port=0, http_host="127.0.0.1",
+                partitions=self.partitions, cpus=self.host_cpus, memory_mib=self.host_memory_mib,
+                heartbeat_interval=1.0, inventory_interval=30.0, probe_interval=1.0, accel=self.accel,
+                vnc_range=None, cleanup_on_stop=True, shutdown_timeout=10.0,
+            ).validate()
+            agent = Agent(agent_cfg)
+            ready = asyncio.Event()
+            self.agents[host] = agent
+            self._tasks.append(asyncio.create_task(agent.run(ready=ready), name=f"agent-{host}"))
+            await asyncio.wait_for(ready.wait(), READY_TIMEOUT_S)
+            on_status(f"agent {host}", f"ready ({self.runtime})")
+        self.watcher = Watcher(self.api, self.bus.js, self.subjects)
+        self._tasks.append(asyncio.create_task(self.watcher.run(), name="watcher"))
+        await asyncio.wait_for(self.watcher.ready.wait(), READY_TIMEOUT_S)
+        on_status("watcher", "ready")
+        for name in self.recs:
+            await self.wait_reconciler_ready(name)
+            on_status(name, "ready")
+
+    def start_reconciler(self, name: str) -> None:
+        rp = self.recs[name]
+        assert self.nats is not None
+        rp.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "services.cli", "reconciler", "--nats", self.nats.url,
+                "--kubeconfig", self.kubeconfig_path, "--id", name, "--partitions", str(self.partitions),
+                "--data-dir", str(self.root / "reconcilers"), "--http-host", "127.0.0.1",
+                "--http-port", str(rp.port), "--lease-ttl", "3", "--snapshot-interval", "0.5",
+                "--restart-backoff", str(self.restart_backoff_s),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=rp.log.open("ab"),
+            cwd=ROOT,
+            start_new_session=True,
+        )
+
+    async def wait_reconciler_ready(self, name: str) -> None:
+        rp = self.recs[name]
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if rp.proc is not None and rp.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {rp.proc.returncode}; see {rp.log}")
+            if await _http_ok(rp.port, "/readyz"):
+                return
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"{name} not ready after {READY_TIMEOUT_S}s; see {rp.log}")
+
+    def kill_reconciler(self, name: str) -> None:
+        rp = self.recs[name]
+        if rp.proc is not None and rp.proc.poll() is None:
+            rp.proc.send_signal(signal.SIGKILL)
+            rp.proc.wait(10)
+            rp.kills += 1
+
+    # ----------------------------------------------------------------------- record
+    def record(self, path: str = ".vmfence/stack.json") -> None:
+        assert self.nats is not None
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(
+            json.dumps(
+                {
+                    "nats_url": self.nats.url,
+                    "apiserver_url": self.apiserver.url if self.apiserver else None,
+                    "kubeconfig": os.path.abspath(self.kubeconfig_path),
+                    "prefix": self.subjects.prefix,
+                    "partitions": self.partitions,
+                    "pid": os.getpid(),
+                },
+                indent=2,
+            )
+        )
+
+    # ------------------------------------------------------------------------- stop
+    async def stop(self) -> None:
+        """Reverse order. Agents were started with cleanup_on_stop: this throw-away stack removes
+        the VMs it created (a real agent service never does)."""
+        for rp in self.recs.values():
+            if rp.proc is not None and rp.proc.poll() is None:
+                rp.proc.send_signal(signal.SIGTERM)
+        for rp in self.recs.values():
+            if rp.proc is not None:
+                try:
+                    await asyncio.to_thread(rp.proc.wait, STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    rp.proc.kill()
+        if self.watcher is not None:
+            self.watcher.stop()
+        for agent in self.agents.values():
+            agent.stop()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(task, STOP_TIMEOUT_S)
+        if self.api is not None:
+            await self.api.close()
+        if self.bus is not None:
+            await self.bus.close()
+        if self.apiserver is not None:
+            await self.apiserver.stop()
+        if self.nats is not None:
+            await self.nats.stop()
+
+
+async def _http_ok(port: int, path: str) -> bool:
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
+    except (OSError, TimeoutError):
+        return False
+    try:
+        writer.write(f"GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n".encode())
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), 2.0)
+        return b" 200 " in line
+    except (OSError, TimeoutError):
+        return False
+    finally:
+        writer.close()
