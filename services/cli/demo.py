@@ -213,16 +213,16 @@ class Workload:
         assert self.stack.apiserver is not None or True
         if self.stack.apiserver is not None:
             self.stack.apiserver.faults.set_stale(events=4)
-        for round_ in range(3):
+        for round_ in range(4):
             for j in range(3):
                 name = f"churn-{j}"
-                if name in self.live and round_ % 2 == 1:
+                if round_ == 0:
+                    await self.create(name)
+                elif round_ == 3 and j == 0:
                     await self.force_delete(name)
-                elif name in self.live:
+                else:
                     await self.recreate(name)
                     counts["recreates"] += 1
-                else:
-                    await self.create(name)
             if round_ == 1:
                 victim = next(iter(self.stack.recs))
                 self.stack.kill_reconciler(victim)
@@ -268,10 +268,26 @@ async def _log_settled(stack: LocalStack) -> None:
         await asyncio.sleep(0.2)
 
 
+def _quiet_service_logs(path: Path) -> None:
+    """The in-process services log to a file; the terminal is for the demo's own story."""
+    import logging
+
+    from shared.logs import JsonFormatter
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)  # it logs expected EOFs as errors
+
+
 async def demo(args: argparse.Namespace) -> dict[str, Any]:
     runtime = pick_runtime(args.runtime)
     console = Console(stderr=True, quiet=args.json)
     stack = LocalStack(Path(args.dir), runtime=runtime, partitions=8)
+    _quiet_service_logs(Path(args.dir).parent / f"{Path(args.dir).name}-logs" / "services.log")
     started = time.perf_counter()
     console.print(f"[bold]vmfence demo[/bold] — runtime [cyan]{runtime}[/cyan]"
                   + (" (firmware-only VMs)" if runtime == "qemu" else ""))
@@ -363,6 +379,7 @@ async def up(args: argparse.Namespace) -> int:
     runtime = pick_runtime(args.runtime)
     console = Console()
     stack = LocalStack(Path(args.dir), runtime=runtime, partitions=16, kubeconfig=args.kubeconfig)
+    _quiet_service_logs(Path(args.dir).parent / f"{Path(args.dir).name}-logs" / "services.log")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
