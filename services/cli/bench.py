@@ -146,13 +146,15 @@ async def _run_decisions(keys: int, partitions: int) -> dict[str, object]:
         # this process's one core with the reconciler being measured)
         agents = await asyncio.create_subprocess_exec(
             sys.executable, "-c",
-            f"from services.cli.bench import fake_agents_main; fake_agents_main({server.url!r}, {partitions})",
+            f"from services.cli.bench import fake_agents_main; "
+            f"fake_agents_main({server.url!r}, {partitions})",
         )
         async with asyncio.TaskGroup() as tg:
             rec_task = tg.create_task(rec.run())
             await asyncio.wait_for(rec.ready.wait(), 30)
             while len(rec.hosts.live()) < 2:
-                await asyncio.sleep(0.05)
+                rec.hosts.changed.clear()
+                await asyncio.wait_for(rec.hosts.changed.wait(), 30)
             start = time.perf_counter()
             window: list[asyncio.Future] = []  # type: ignore[type-arg]
             for i, key in enumerate(pods):

@@ -128,12 +128,15 @@ class Workload:
         await self.force_delete(name)
         return await self.create(name, annotations)
 
+    async def annotate(self, name: str, key: str, value: str) -> None:
+        await self.core.patch_namespaced_pod(name, NS, {"metadata": {"annotations": {key: value}}})
+
     async def pods(self) -> dict[str, Any]:
         res = await self.core.list_namespaced_pod(NS)
         return {p.metadata.name: p for p in res.items}
 
-    async def wait(self, what: str, check: Any, timeout: float = SETTLE_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
+    async def wait(self, what: str, check: Any, within_s: float = SETTLE_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + within_s
         while True:
             if await check():
                 return
@@ -150,7 +153,7 @@ class Workload:
         pods = await self.pods()
         if set(pods) != self.live:
             return False  # a deletion still in progress, or a pod missing
-        for name, p in pods.items():
+        for p in pods.values():
             hibernating = (p.metadata.annotations or {}).get("vmfence.io/hibernate") == "true"
             if p.metadata.deletion_timestamp is not None:
                 return False
@@ -232,12 +235,12 @@ class Workload:
         if self.stack.apiserver is not None:
             self.stack.apiserver.faults.set_stale(events=0)
         await self.stack.wait_reconciler_ready(next(iter(self.stack.recs)))
-        await self.wait("churn settled", self.all_settled, timeout=90)
+        await self.wait("churn settled", self.all_settled, within_s=90)
 
         say("hibernate and wake")
-        await self.core.patch_namespaced_pod("web-0.demo", NS, {"metadata": {"annotations": {"vmfence.io/hibernate": "true"}}})
+        await self.annotate("web-0.demo", "vmfence.io/hibernate", "true")
         await self.wait("hibernated", self.all_settled)
-        await self.core.patch_namespaced_pod("web-0.demo", NS, {"metadata": {"annotations": {"vmfence.io/hibernate": "false"}}})
+        await self.annotate("web-0.demo", "vmfence.io/hibernate", "false")
         await self.wait("woken", self.all_settled)
         counts["hibernate_wake"] += 1
 
@@ -350,8 +353,8 @@ def _table(result: dict[str, Any]) -> Table:
         t.add_row(k.replace("_", " "), str(result[k]))
     for reason, n in sorted(result["skipped"].items()):
         t.add_row(f"skipped: {reason}", str(n))
-    verdict = "[green]clean[/green]" if not result["violations"] else f"[red]{len(result['violations'])} violations[/red]"
-    t.add_row("audit", verdict)
+    bad = len(result["violations"])
+    t.add_row("audit", "[green]clean[/green]" if not bad else f"[red]{bad} violations[/red]")
     return t
 
 
@@ -387,10 +390,10 @@ async def up(args: argparse.Namespace) -> int:
     try:
         await stack.start(on_status=lambda name, state: console.print(f"  {name:<14} {state}"))
         stack.record()
+        out = Path(os.getcwd(), args.kubeconfig_out)
         if args.kubeconfig is None:
-            os.makedirs(os.path.dirname(os.path.abspath(args.kubeconfig_out)), exist_ok=True)
-            shutil.copyfile(stack.kubeconfig_path, args.kubeconfig_out)
-        console.print(f"vmfence is up (runtime {runtime}). kubeconfig: {os.path.abspath(args.kubeconfig_out)}")
+            _copy_file(stack.kubeconfig_path, out)
+        console.print(f"vmfence is up (runtime {runtime}). kubeconfig: {out}")
         console.print(f"  kubectl --kubeconfig {args.kubeconfig_out} get pods -w")
         console.print("  virtual nodes: " + ", ".join(f"vmfence-{h}" for h in stack.hosts))
         console.print("Ctrl-C stops everything and removes the VMs this stack created.")
@@ -401,6 +404,11 @@ async def up(args: argparse.Namespace) -> int:
         with contextlib.suppress(FileNotFoundError):
             os.remove(".vmfence/stack.json")
     return 0
+
+
+def _copy_file(src: str, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dest)
 
 
 def run_up(args: argparse.Namespace) -> int:

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 from rich.console import Console
 from rich.table import Table
 
 from services.cli.common import CliError, open_bus
-from shared.audit import AuditReport, Auditor
+from shared.audit import Auditor, AuditReport
 from shared.decisions import EXPORT_MAGIC, Filter, Record, encode_record, follow_log, iter_export, read_log
 from shared.schema import Commanded, Decision, Skipped, decision_name
 
@@ -45,8 +47,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 async def _records(args: argparse.Namespace) -> list[Record]:
     if args.file:
         try:
-            with open(args.file, "rb") as f:
-                return list(iter_export(f.read()))
+            data = await asyncio.to_thread(Path(args.file).read_bytes)
+            return list(iter_export(data))
         except (OSError, ValueError) as exc:
             raise CliError(f"cannot read {args.file}: {exc}") from None
     bus = await open_bus(args.nats, "vmfence-replay")
@@ -105,7 +107,7 @@ async def export(args: argparse.Namespace) -> int:
     bus = await open_bus(args.nats, "vmfence-export")
     n = 0
     try:
-        with open(args.output, "wb") as f:
+        with open(args.output, "wb") as f:  # noqa: ASYNC230 - streamed while the log is read
             f.write(EXPORT_MAGIC)
             async for rec in read_log(bus.js, bus.subjects):
                 f.write(encode_record(rec))

@@ -63,7 +63,9 @@ async def _make_log(url: str, tmp: Path) -> None:
     await bus.close()
 
 
-async def test_export_then_replay_is_clean_and_a_hand_corrupted_log_fails(nats_server: NatsServer, tmp_path: Path) -> None:
+async def test_export_then_replay_is_clean_and_a_hand_corrupted_log_fails(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
     await _make_log(nats_server.url, tmp_path)
     live = await asyncio.to_thread(vmfence, "replay", "--nats", nats_server.url)
     assert live.returncode == 0, live.stdout + live.stderr

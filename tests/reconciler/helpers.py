@@ -31,9 +31,9 @@ async def log_entries(bus: Bus) -> list[tuple[int, LogEntry]]:
     ]
 
 
-async def wait_until(check: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+async def wait_until(check: Callable[[], bool], what: str, within_s: float = WAIT_S) -> None:
     """Poll a condition on in-process state (no event exists for "all keys bound")."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within_s
     while not check():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")

@@ -53,7 +53,7 @@ async def test_r3_cluster_survives_a_node_kill_with_a_clean_audit(tmp_path: Path
                     if s.state.cur is not None and s.state.cur.bound and not s.state.outbox
                 )
 
-            await wait_until(lambda: bound() == PODS, "every key bound after the node kill", timeout=60)
+            await wait_until(lambda: bound() == PODS, "every key bound after the node kill", within_s=60)
             stop.set()
             rec.stop()
             await run

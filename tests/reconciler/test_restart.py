@@ -80,14 +80,8 @@ async def test_sigkill_mid_stream_then_restart_loses_and_duplicates_nothing(
             await observe(bus, key, pod.metadata.uid, int(pod.metadata.resource_version))
             if i == PODS // 2:
                 # let some work land and at least one snapshot be taken, then kill mid-stream
-                first_half: list = []
-
-                async def enough() -> bool:
-                    first_half[:] = await log_entries(bus)
-                    return len(first_half) >= PODS
-
                 for _ in range(300):
-                    if await enough():
+                    if len(await log_entries(bus)) >= PODS:
                         break
                     await asyncio.sleep(0.05)
                 await asyncio.sleep(0.5)  # two snapshot intervals
