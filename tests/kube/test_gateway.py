@@ -308,3 +308,14 @@ async def test_null_gateway() -> None:
     assert (await gw.write(key, status_write("u1", RUNNING))).outcome == "ok"
     assert gw.counts["status"] == 1
     await gw.close()
+
+
+async def test_write_bounded_by_call_timeout(server: ApiServer, core: client.CoreV1Api, kubeconfig: str) -> None:
+    uid = (await create(core, "p"))["metadata"]["uid"]
+    server.faults.add_latency("patch", 2000, "pods/status")
+    gw = await K8sGateway.connect(kubeconfig, call_timeout_s=0.5)
+    try:
+        done = await gw.write(Key("pod", NS, "p"), status_write(uid, RUNNING))
+        assert done.outcome == "failed" and done.detail is not None and "timed out" in done.detail
+    finally:
+        await gw.close()

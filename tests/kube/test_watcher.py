@@ -201,3 +201,23 @@ async def test_two_watchers_store_each_observation_once(
     published = {(s.subject, s.msg_id) for s in tap.seen}
     assert set(per_id) == published
     assert len(tap.seen) == 2 * len(msgs)
+
+
+async def test_missing_crd_does_not_block_readiness(
+    api: client.ApiClient,
+    kubeconfig: str,
+    core: client.CoreV1Api,
+    provisioned: JetStreamContext,
+    subjects: Subjects,
+    tap: Tap,
+) -> None:
+    ext = client.ApiextensionsV1Api(api)
+    await ext.delete_custom_resource_definition("virtualmachines.vmfence.io")
+    watcher_api = await load_api_client(kubeconfig)
+    try:
+        async with Watcher(watcher_api, provisioned, subjects) as w:
+            await asyncio.wait_for(w.ready.wait(), WAIT_S)
+            uid = (await create(core, "still-works"))["metadata"]["uid"]
+            await tap.wait(lambda s: s.obs.uid == uid)
+    finally:
+        await watcher_api.close()

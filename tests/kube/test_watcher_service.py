@@ -114,9 +114,15 @@ async def test_process_ready_metrics_and_sigterm(
             resp = await core.create_namespaced_pod("default", pod_body("proc-pod"), _preload_content=False)
             uid = (await resp.json())["metadata"]["uid"]
             await tap.wait(lambda s: s.obs.uid == uid)
-            async with http.get(f"{url}/metrics") as r:
-                text = await r.text()
-            assert 'vmfence_watch_events_total{kind="pod",type="ADDED"} 1.0' in text
+            want = 'vmfence_watch_events_total{kind="pod",type="ADDED"} 1.0'
+            deadline = loop.time() + READY_DEADLINE_S
+            while True:  # counted right after the publish is acknowledged: poll the other process
+                async with http.get(f"{url}/metrics") as r:
+                    text = await r.text()
+                if want in text or loop.time() > deadline:
+                    break
+                await asyncio.sleep(POLL_S)
+            assert want in text
             assert "vmfence_watch_restarts_total" in text
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10.0) == 0
