@@ -24,7 +24,8 @@ Rules this module keeps (DESIGN.md, "Kubernetes side" and rules 3, 4 and 6):
 - Events never change a decision: outcome ``ok`` or ``failed``, failures only logged. An event's
   name is derived from the write id so a retried event is created once.
 
-Every call is bounded by ``call_timeout_s`` overall and ``request_timeout_s`` per request.
+The caller counts outcomes (``vmfence_k8s_writes_total``); this module does not, to avoid
+double counting. Every call is bounded by ``call_timeout_s`` overall and ``request_timeout_s`` per request.
 ``confirm`` raises :class:`KubeUnavailable` when no answer could be had (rule 12: the caller
 re-checks later; it never decides on a guess).
 """
@@ -45,7 +46,6 @@ import aiohttp
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from shared.metrics import K8S_WRITES
 from shared.schema import ConfirmedRead, Fence, KubeWrite, PodStatusIntent, Spec, WriteDone
 from shared.spec import VM_GROUP, VM_PLURAL, VM_VERSION, spec_of_pod, spec_of_vm
 from shared.subjects import Key
@@ -470,7 +470,6 @@ class K8sGateway:
         if write.verb == "event" and outcome != "ok":
             log.warning("event %s for %s not written: %s", write.event_reason, key, detail, extra={"key": str(key)})
             outcome = "failed"
-        K8S_WRITES.labels(write.verb, outcome).inc()
         return WriteDone(fence=write.fence, write_id=write.id, outcome=outcome, detail=detail)  # type: ignore[arg-type]
 
     async def _classify(self, key: Key, fence: Fence, exc: KubeError) -> None:
