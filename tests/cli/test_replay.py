@@ -11,7 +11,6 @@ from pathlib import Path
 
 import msgspec
 
-from services.cli.bench import answer_commands
 from services.reconciler.config import ReconcilerConfig
 from services.reconciler.kube import NullGateway
 from services.reconciler.service import Reconciler
@@ -20,7 +19,7 @@ from shared.decisions import EXPORT_MAGIC, Record, encode_record, iter_export
 from shared.natsserver import NatsServer
 from shared.schema import Bound, Fence, LogEntry, Spec
 from shared.subjects import Key, Subjects
-from tests.reconciler.helpers import heartbeat, observe, wait_until
+from tests.reconciler.helpers import observe, sim_agent, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +34,6 @@ async def _make_log(url: str, tmp: Path) -> None:
     subjects = Subjects()
     bus = await Bus.open(url, name="test", subjects=subjects)
     await provision(bus.js, subjects, StreamsConfig())
-    await heartbeat(bus, "host-a")
     gateway = NullGateway()
     keys = [Key("pod", "shop", f"cart.{i}") for i in range(8)]
     for i, k in enumerate(keys):
@@ -44,11 +42,10 @@ async def _make_log(url: str, tmp: Path) -> None:
         ReconcilerConfig(nats_url=[url], id="rec", data_dir=str(tmp / "rec"), kube="none", http_port=0),
         gateway=gateway, health=False,
     )
-    stop = asyncio.Event()
-    async with asyncio.TaskGroup() as tg:
+    async with sim_agent(url, "host-a", tmp, 16), asyncio.TaskGroup() as tg:
         run = tg.create_task(rec.run())
-        agent = tg.create_task(answer_commands(bus, "host-a", stop))
         await rec.ready.wait()
+        await wait_until(lambda: len(rec.hosts.live()) == 1, "the agent's heartbeat")
         for i, k in enumerate(keys):
             await observe(bus, k, f"uid-{i}", 1)
         await wait_until(
@@ -58,8 +55,6 @@ async def _make_log(url: str, tmp: Path) -> None:
         )
         rec.stop()
         await run
-        stop.set()
-        agent.cancel()
     await bus.close()
 
 

@@ -5,12 +5,26 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+from services.agent.config import AgentConfig
+from services.agent.service import Agent
 
 from shared.bus import Bus, publish_input, read_stream
 from shared.schema import HostHeartbeat, LogEntry, Observed, decode_entry, encode
 from shared.subjects import Key
 
 WAIT_S = 30.0
+
+
+def sim_agent(url: str | list[str], host: str, data_dir: Path, partitions: int) -> Agent:
+    """A real agent on the sim runtime (async context manager: ready on enter, stopped on exit)."""
+    cfg = AgentConfig(
+        nats_url=url if isinstance(url, str) else ",".join(url), host=host, runtime="sim",
+        data_dir=str(data_dir / host), http_port=0, http_host="127.0.0.1", partitions=partitions,
+        cpus=64, memory_mib=65536, heartbeat_interval=1.0, vnc_range=None,
+    ).validate()
+    return Agent(cfg)
 
 
 async def heartbeat(bus: Bus, *hosts: str) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from services.cli.bench import answer_commands
 from services.reconciler.config import ReconcilerConfig
 from services.reconciler.kube import NullGateway
 from services.reconciler.service import Reconciler
@@ -15,7 +14,7 @@ from shared.bus import Bus, StreamsConfig, provision
 from shared.natsserver import start_cluster
 from shared.schema import Spec
 from shared.subjects import Key, Subjects
-from tests.reconciler.helpers import heartbeat, log_entries, observe, per_key, wait_until
+from tests.reconciler.helpers import log_entries, observe, per_key, sim_agent, wait_until
 
 PODS = 40
 
@@ -26,7 +25,6 @@ async def test_r3_cluster_survives_a_node_kill_with_a_clean_audit(tmp_path: Path
         subjects = Subjects(partitions=4)
         bus = await Bus.open(cluster.urls, name="test", subjects=subjects)
         await provision(bus.js, subjects, StreamsConfig(partitions=4, replicas=3))
-        await heartbeat(bus, "host-a")
         gateway = NullGateway()
         keys = [Key("pod", "default", f"r3.{i}") for i in range(PODS)]
         for i, k in enumerate(keys):
@@ -36,11 +34,10 @@ async def test_r3_cluster_survives_a_node_kill_with_a_clean_audit(tmp_path: Path
             kube="none", http_port=0,
         )
         rec = Reconciler(cfg, gateway=gateway, health=False)
-        stop = asyncio.Event()
-        async with asyncio.TaskGroup() as tg:
+        async with sim_agent(cluster.urls, "host-a", tmp_path, 4), asyncio.TaskGroup() as tg:
             run = tg.create_task(rec.run())
-            agent = tg.create_task(answer_commands(bus, "host-a", stop))
             await asyncio.wait_for(rec.ready.wait(), 30)
+            await wait_until(lambda: len(rec.hosts.live()) == 1, "the agent's heartbeat")
             for i, k in enumerate(keys):
                 await observe(bus, k, f"uid-{i}", 1)
                 if i == PODS // 2:
@@ -54,10 +51,8 @@ async def test_r3_cluster_survives_a_node_kill_with_a_clean_audit(tmp_path: Path
                 )
 
             await wait_until(lambda: bound() == PODS, "every key bound after the node kill", within_s=60)
-            stop.set()
             rec.stop()
             await run
-            agent.cancel()
         entries = await log_entries(bus)
         for key, log in per_key(entries).items():
             assert [e.n for e in log] == list(range(1, len(log) + 1)), key

@@ -15,13 +15,12 @@ import pytest
 from kubernetes_asyncio import client, config
 
 from services.apiserver.server import ApiServer, start_apiserver, write_kubeconfig
-from services.cli.bench import answer_commands
 from shared.audit import audit
 from shared.bus import Bus, StreamsConfig, provision
 from shared.natsserver import NatsServer
 from shared.schema import Admitted, Commanded
 from shared.subjects import Key, Subjects
-from tests.reconciler.helpers import heartbeat, log_entries, observe, per_key
+from tests.reconciler.helpers import log_entries, observe, per_key, sim_agent
 
 PODS = 60
 PARTITIONS = 4
@@ -61,10 +60,10 @@ async def test_sigkill_mid_stream_then_restart_loses_and_duplicates_nothing(
     subjects = Subjects(partitions=PARTITIONS)
     bus = await Bus.open(nats_server.url, name="test", subjects=subjects)
     await provision(bus.js, subjects, StreamsConfig(partitions=PARTITIONS))
-    await heartbeat(bus, "host-a", "host-b")
     kubeconfig = write_kubeconfig(apiserver.url, str(tmp_path / "kc"))
-    stop = asyncio.Event()
-    agents = [asyncio.create_task(answer_commands(bus, h, stop)) for h in ("host-a", "host-b")]
+    agents = [sim_agent(nats_server.url, h, tmp_path / "agents", PARTITIONS) for h in ("host-a", "host-b")]
+    for agent in agents:
+        await agent.__aenter__()
     log1, log2 = tmp_path / "rec1.log", tmp_path / "rec2.log"
     proc = _start(nats_server.url, kubeconfig, tmp_path / "data", log1)
     try:
@@ -118,9 +117,8 @@ async def test_sigkill_mid_stream_then_restart_loses_and_duplicates_nothing(
         assert replayed < killed_at, f"restart replayed {replayed} of {killed_at} entries: snapshot unused"
         print(f"killed at {killed_at} entries; restart replayed {replayed}; total {len(entries)}")
     finally:
-        stop.set()
-        for a in agents:
-            a.cancel()
+        for agent in agents:
+            await agent.__aexit__(None, None, None)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(15)
