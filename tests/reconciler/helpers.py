@@ -9,7 +9,6 @@ from pathlib import Path
 
 from services.agent.config import AgentConfig
 from services.agent.service import Agent
-
 from shared.bus import Bus, publish_input, read_stream
 from shared.schema import HostHeartbeat, LogEntry, Observed, decode_entry, encode
 from shared.subjects import Key
