@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -67,6 +68,8 @@ class LocalStack:
     host_memory_mib: int = 65536
     accel: str = "auto"
     fresh: bool = True
+    watch_window: int = 1000
+    host_stale_s: float = 15.0
 
     subjects: Subjects = field(init=False)
     nats: NatsServer | None = field(default=None, init=False)
@@ -78,6 +81,7 @@ class LocalStack:
     bus: Bus | None = field(default=None, init=False)
     api: client.ApiClient | None = field(default=None, init=False)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
+    _agent_tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.subjects = Subjects(partitions=self.partitions)
@@ -94,7 +98,7 @@ class LocalStack:
         await provision(self.bus.js, self.subjects, StreamsConfig(partitions=self.partitions))
         if self.kubeconfig is None:
             on_status("apiserver", "starting")
-            self.apiserver = ApiServer(ApiServerConfig(db_path=None))
+            self.apiserver = ApiServer(ApiServerConfig(db_path=None, watch_window=self.watch_window))
             await self.apiserver.start()
             self.kubeconfig_path = write_kubeconfig(self.apiserver.url, str(self.root / "kubeconfig"))
             on_status("apiserver", self.apiserver.url)
@@ -109,18 +113,7 @@ class LocalStack:
             self.start_reconciler(name)
             on_status(name, "starting")
         for host in self.hosts:
-            agent_cfg = AgentConfig(
-                nats_url=self.nats.url, host=host, runtime=self.runtime,
-                data_dir=str(self.root / "agents" / host), http_port=0, http_host="127.0.0.1",
-                partitions=self.partitions, cpus=self.host_cpus, memory_mib=self.host_memory_mib,
-                heartbeat_interval=1.0, inventory_interval=30.0, probe_interval=1.0, accel=self.accel,
-                vnc_range=None, cleanup_on_stop=True, shutdown_timeout=10.0,
-            ).validate()
-            agent = Agent(agent_cfg)
-            ready = asyncio.Event()
-            self.agents[host] = agent
-            self._tasks.append(asyncio.create_task(agent.run(ready=ready), name=f"agent-{host}"))
-            await asyncio.wait_for(ready.wait(), READY_TIMEOUT_S)
+            await self.start_agent(host)
             on_status(f"agent {host}", f"ready ({self.runtime})")
         self.watcher = Watcher(self.api, self.bus.js, self.subjects)
         self._tasks.append(asyncio.create_task(self.watcher.run(), name="watcher"))
@@ -129,6 +122,30 @@ class LocalStack:
         for name in self.recs:
             await self.wait_reconciler_ready(name)
             on_status(name, "ready")
+
+    async def start_agent(self, host: str) -> Agent:
+        assert self.nats is not None
+        agent_cfg = AgentConfig(
+            nats_url=self.nats.url, host=host, runtime=self.runtime,
+            data_dir=str(self.root / "agents" / host), http_port=0, http_host="127.0.0.1",
+            partitions=self.partitions, cpus=self.host_cpus, memory_mib=self.host_memory_mib,
+            heartbeat_interval=1.0, inventory_interval=30.0, probe_interval=1.0, accel=self.accel,
+            vnc_range=None, cleanup_on_stop=True, shutdown_timeout=10.0,
+        ).validate()
+        agent = Agent(agent_cfg)
+        ready = asyncio.Event()
+        self.agents[host] = agent
+        task = asyncio.create_task(agent.run(ready=ready), name=f"agent-{host}")
+        self._agent_tasks[host] = task
+        await asyncio.wait_for(ready.wait(), READY_TIMEOUT_S)
+        return agent
+
+    async def stop_agent(self, host: str) -> None:
+        """Stop one agent as a host outage would: its VMs keep running."""
+        agent = self.agents.pop(host)
+        agent.config = dataclasses.replace(agent.config, cleanup_on_stop=False)
+        agent.stop()
+        await asyncio.wait_for(self._agent_tasks.pop(host), STOP_TIMEOUT_S)
 
     def start_reconciler(self, name: str) -> None:
         rp = self.recs[name]
@@ -139,7 +156,7 @@ class LocalStack:
                 "--kubeconfig", self.kubeconfig_path, "--id", name, "--partitions", str(self.partitions),
                 "--data-dir", str(self.root / "reconcilers"), "--http-host", "127.0.0.1",
                 "--http-port", str(rp.port), "--lease-ttl", "3", "--snapshot-interval", "0.5",
-                "--restart-backoff", str(self.restart_backoff_s),
+                "--restart-backoff", str(self.restart_backoff_s), "--host-stale", str(self.host_stale_s),
             ],
             stdout=subprocess.DEVNULL,
             stderr=rp.log.open("ab"),
@@ -200,7 +217,7 @@ class LocalStack:
             self.watcher.stop()
         for agent in self.agents.values():
             agent.stop()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._agent_tasks.values()]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, STOP_TIMEOUT_S)
         if self.api is not None:
