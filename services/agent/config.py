@@ -53,6 +53,7 @@ class AgentConfig:
     fetch_timeout: float = 1.0
     shutdown_timeout: float = 20.0  # in-flight commands after SIGTERM
     op_timeout: float = 300.0  # one driver operation
+    connect_timeout: float = 30.0  # each network step of startup (NATS connect, consumer, KV)
     provision: bool = False  # create/update streams and buckets at start (dev stacks)
     cleanup_on_stop: bool = False  # remove this agent's VMs on stop (throw-away local stack only)
     sim_seed: int = 0
@@ -93,7 +94,7 @@ class AgentConfig:
         if self.cpus < 1 or self.memory_mib < 16:
             raise ConfigError(f"invalid capacity cpus={self.cpus} memory_mib={self.memory_mib}")
         for name in ("inventory_interval", "heartbeat_interval", "probe_interval", "probe_timeout",
-                     "ack_wait", "fetch_timeout", "shutdown_timeout", "op_timeout"):
+                     "ack_wait", "fetch_timeout", "shutdown_timeout", "op_timeout", "connect_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"invalid {name.replace('_', '-')} {getattr(self, name)}: must be > 0")
         if self.max_concurrency < 1 or self.max_ack_pending < self.max_concurrency:
@@ -163,7 +164,7 @@ _ENV: dict[str, str] = {
 
 _INT = {"http_port", "partitions", "cpus", "memory_mib", "max_concurrency", "max_ack_pending", "sim_seed"}
 _FLOAT = {"inventory_interval", "heartbeat_interval", "probe_interval", "probe_timeout", "ack_wait",
-          "fetch_timeout", "shutdown_timeout", "op_timeout"}
+          "fetch_timeout", "shutdown_timeout", "op_timeout", "connect_timeout"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-ack-pending", help="unacked commands outstanding [default 256]")
     a("--shutdown-timeout", help="seconds to finish in-flight commands on SIGTERM [default 20]")
     a("--op-timeout", help="seconds one runtime operation may take [default 300]")
+    a("--connect-timeout", help="seconds each startup network step may take [default 30]")
     a("--provision", action="store_true", default=None, help="create/update streams and buckets")
     a("--cleanup-on-stop", action="store_true", default=None,
       help="remove this agent's VMs on stop (throw-away local stacks only)")

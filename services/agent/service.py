@@ -26,8 +26,9 @@ import sys
 import time
 import uuid
 from collections import Counter as _Counter
+from collections.abc import Awaitable
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import msgspec
 import nats.errors
@@ -68,6 +69,8 @@ from shared.subjects import Key, Subjects, encode_token
 
 log = logging.getLogger("vmfence.agent")
 
+T = TypeVar("T")
+
 NET_TIMEOUT_S = 5.0  # one NATS request (ack, KV put, consumer create)
 DLQ_SOURCE = "agent"
 NAK_DELAY_S = 1.0  # redelivery delay after a result could not be published
@@ -78,6 +81,10 @@ STOPPED_TASK_WAIT_S = 5.0  # background tasks after cancel
 
 class AgentStartError(Exception):
     """The agent could not start (NATS unreachable, data dir locked...); one line for the operator."""
+
+
+class _StoppedDuringStartup(Exception):
+    """stop() (SIGTERM) arrived before the agent was ready: a clean exit, not an error."""
 
 
 class Malformed(Exception):
@@ -209,17 +216,22 @@ class Agent:
             )
             self.prober = Prober(self.ledger, driver, cfg.host, self._publish_probe,
                                  interval=cfg.probe_interval, timeout=cfg.probe_timeout)
+            log.info("connecting to NATS at %s", cfg.nats_url, extra={"host": cfg.host, "event": "connecting"})
             try:
-                self.bus = await Bus.open(cfg.nats_url.split(","), name=f"vmfence-agent-{cfg.host}",
-                                          subjects=self.subjects)
-            except (OSError, TimeoutError, nats.errors.Error) as e:
+                self.bus = await self._startup(
+                    Bus.open(cfg.nats_url.split(","), name=f"vmfence-agent-{cfg.host}", subjects=self.subjects),
+                    f"connect to NATS at {cfg.nats_url}",
+                )
+            except (OSError, nats.errors.Error) as e:
                 raise AgentStartError(f"cannot connect to NATS at {cfg.nats_url}: {e!r}") from e
             if cfg.provision:
-                await provision(self.bus.js, self.subjects, StreamsConfig(partitions=cfg.partitions))
-            psub = await self._subscribe()
+                await self._startup(
+                    provision(self.bus.js, self.subjects, StreamsConfig(partitions=cfg.partitions)), "provision"
+                )
+            psub = await self._startup(self._subscribe(), "create the command consumer")
             await self._start_http()
-            await self.inventory()
-            await self.heartbeat()
+            await self._startup(self.inventory(), "publish the inventory")
+            await self._startup(self.heartbeat(), "write the heartbeat")
             self._ready = True
             log.info("agent ready", extra={"host": cfg.host, "event": "ready"})
             if ready is not None:
@@ -235,8 +247,29 @@ class Agent:
                 self._ready = False
                 for t in background:
                     t.cancel()
+        except _StoppedDuringStartup:
+            log.info("stopped before the agent was ready", extra={"host": cfg.host})
         finally:
             await self._shutdown()
+
+    async def _startup(self, aw: Awaitable[T], what: str) -> T:
+        """One startup step, bounded by connect_timeout and abandoned at once on stop(): NATS'
+        initial connect otherwise retries forever and SIGTERM would go unheard."""
+        step: asyncio.Future[T] = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            done, _ = await asyncio.wait({step, stop}, timeout=self.config.connect_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if step in done:
+            return step.result()
+        step.cancel()
+        with contextlib.suppress(BaseException):
+            await step
+        if self._stopping.is_set():
+            raise _StoppedDuringStartup
+        raise AgentStartError(f"could not {what} within {self.config.connect_timeout:g}s")
 
     async def _shutdown(self) -> None:
         self._ready = False

@@ -169,3 +169,13 @@ async def test_bad_config_exits_2_with_one_line(
     assert proc.returncode == 2, err
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("vmfence agent: error:"), lines
     assert out == b""
+
+
+async def test_unreachable_nats_fails_bounded_and_sigterm_stops_startup(tmp_path: Path) -> None:
+    args = ["--nats-url", "nats://127.0.0.1:1", "--host", HOST, "--http-port", "0"]
+    async with agent_process(*args, "--data-dir", str(tmp_path / "a"), "--connect-timeout", "1") as a:
+        assert await a.finish(None) == 1
+        assert a.raw[-1].startswith("vmfence agent: error:") and "NATS" in a.raw[-1]
+    async with agent_process(*args, "--data-dir", str(tmp_path / "b")) as b:
+        await b.wait_event("connecting")
+        assert await b.finish(signal.SIGTERM) == 0  # heard at once, not after the connect gives up
