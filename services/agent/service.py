@@ -256,7 +256,7 @@ class Agent:
         """One startup step, bounded by connect_timeout and abandoned at once on stop(): NATS'
         initial connect otherwise retries forever and SIGTERM would go unheard."""
         step: asyncio.Future[T] = asyncio.ensure_future(aw)
-        stop = asyncio.ensure_future(self._stopping.wait())
+        stop: asyncio.Future[Any] = asyncio.ensure_future(self._stopping.wait())
         try:
             done, _ = await asyncio.wait({step, stop}, timeout=self.config.connect_timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -515,16 +515,17 @@ class Agent:
         round_id = f"{self.config.host}-{self.boot}-{self._round}"
         host = self.config.host
         listed = {i.vm_id: i for i in await asyncio.wait_for(self.driver.list(), self.config.op_timeout)}
-        for row in self.ledger.vms():
-            if row.vm_id not in listed and row.state not in TRANSIENT_STATES:
-                fence = await self.executor.check_gone(row.vm_id)
-                if fence is not None:
-                    await self._publish_gone(fence, row.vm_id)
+        for known in self.ledger.vms():
+            if known.vm_id not in listed and known.state not in TRANSIENT_STATES:
+                lost = await self.executor.check_gone(known.vm_id)
+                if lost is not None:
+                    await self._publish_gone(lost, known.vm_id)
         rows = {r.vm_id: r for r in self.ledger.vms()}
         for vm_id in sorted(rows.keys() | listed.keys()):
             row, info = rows.get(vm_id), listed.get(vm_id)
+            fence: Fence | None
             if row is not None:
-                fence: Fence | None = row.fence
+                fence = row.fence
                 state = row.state if row.state in TRANSIENT_STATES or info is None else info.state
             else:
                 assert info is not None
