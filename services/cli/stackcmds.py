@@ -10,6 +10,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 
     bench.add_parsers(sub)
     status.add_parser(sub)
+    __import__("services.cli.chaos_procs", fromlist=["add_parsers"]).add_parsers(sub)  # vmfence chaos
     try:
         from services.cli import demo
     except ImportError:  # pragma: no cover - during development only

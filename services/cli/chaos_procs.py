@@ -1,0 +1,802 @@
+"""`vmfence chaos`: fault campaigns against vmfence.
+
+``--processes`` runs the real thing: a 3-node nats-server cluster (R3 streams), the development API
+server, a watcher, two reconcilers and two agents, each a separate OS process, while pods churn
+(creates, same-name recreates, deletes, hibernate/wake) and a driver SIGKILLs a random component
+every few seconds and starts it again — one nats-server node at a time included.
+
+The oracle trusts nothing vmfence says about itself: it samples the operating system's process
+table (every QEMU whose ``-pidfile`` lives under this run's directory; for the sim runtime, the sim
+host state files the agents persist) and counts VMs per pod key and per incarnation. At the end the
+faults stop, the system must quiesce, and the final VMs are compared with the live pods in the API
+and with the decision log, whose audit must be clean.
+
+``--seeds``/``--seed`` is the deterministic in-process campaign (``services.cli.chaos_sim``), kept
+in a separate module and imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+NS = "default"
+ROOT = Path(__file__).resolve().parents[2]
+PARTITIONS = 8
+HOSTS = ("host-a", "host-b")
+LEASE_TTL_S = 3.0
+READY_TIMEOUT_S = 60.0  # a restarted component becomes ready (bounded; a miss is reported)
+STOP_TIMEOUT_S = 20.0  # SIGTERM -> exit before SIGKILL
+ORACLE_PERIOD_S = 0.1
+QUIET_S = 5.0  # no new log entry for this long (with zero lag) = quiescent
+POLL_S = 0.2  # readiness/quiescence have no event to wait on: bounded polling
+HTTP_TIMEOUT_S = 2.0
+LIVE_STATES = ("running", "paused", "creating")  # sim VM states that count as a VM
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("chaos", help="fault campaigns: --processes (real processes) or --seeds (deterministic)")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--processes", action="store_true", help="real processes, SIGKILLs, an OS-level oracle")
+    mode.add_argument("--seeds", type=int, metavar="N", help="deterministic campaign over N seeds (chaos_sim)")
+    mode.add_argument("--seed", type=int, metavar="S", help="deterministic campaign, one seed (chaos_sim)")
+    p.add_argument("--minutes", type=float, default=2.0, help="how long faults and churn run")
+    p.add_argument("--runtime", default="auto", choices=["auto", "sim", "qemu"])
+    p.add_argument("--pods", type=int, default=6, help="pod names that churn")
+    p.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between SIGKILLs")
+    p.add_argument("--churn-every", type=float, default=1.0, help="mean seconds between pod operations")
+    p.add_argument("--stale-reads", type=int, default=3, help="API server lagging-cache depth during churn (0: off)")
+    p.add_argument("--settle-timeout", type=float, default=180.0, help="seconds allowed to quiesce at the end")
+    p.add_argument("--rng-seed", type=int, default=None, help="seed of the kill/churn schedule (default: random)")
+    p.add_argument("--dir", default=".vmfence/chaos", help="run directory (removed first)")
+    p.add_argument("--keep", action="store_true", help="keep the run directory (logs) after a clean run")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(run=run_chaos)
+
+
+def run_chaos(args: argparse.Namespace) -> int:
+    if not args.processes:
+        return _run_sim_campaign(args)
+    from services.cli.main import _run_async
+
+    try:
+        result = _run_async(ProcessChaos(args).run())
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"vmfence chaos: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        _print_human(result)
+    return 0 if result["ok"] else 1
+
+
+def _run_sim_campaign(args: argparse.Namespace) -> int:
+    """The deterministic campaign lives in another module, possibly not written yet."""
+    try:
+        from services.cli import chaos_sim  # type: ignore[attr-defined]
+    except ImportError:
+        print(
+            "vmfence chaos: the deterministic campaign (--seeds/--seed) needs services/cli/chaos_sim.py, "
+            "which is not in this tree yet; use --processes",
+            file=sys.stderr,
+        )
+        return 2
+    result = chaos_sim.run_campaign(args)
+    if asyncio.iscoroutine(result):
+        from services.cli.main import _run_async
+
+        result = _run_async(result)
+    if isinstance(result, dict):
+        sys.stdout.write(json.dumps(result) + "\n")
+        return 0 if not result.get("violations") else 1
+    return int(result)
+
+
+def _print_human(result: dict[str, Any]) -> None:
+    keys = ("runtime", "minutes", "seconds", "kills", "pods_churned", "max_vms_per_key", "max_vms_per_incarnation",
+            "leaked_vms", "lost_inputs", "oracle_samples", "quiesced")
+    for k in keys:
+        print(f"{k:>26}: {result.get(k)}")
+    for v in result["violations"]:
+        print(f"VIOLATION {v}")
+    print("OK" if result["ok"] else "INVARIANT BROKEN")
+
+
+# ------------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Proc:
+    """One service process with a fixed argv, port and log, so a restart keeps its identity."""
+
+    name: str
+    kind: str
+    argv: list[str]
+    port: int
+    log: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def start(self) -> None:
+        with self.log.open("ab") as err:  # the child keeps its own descriptor
+            self.popen = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd=ROOT, start_new_session=True
+            )
+
+    def kill(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait(10)
+
+    async def stop(self) -> None:
+        """SIGTERM (agents then remove their VMs), bounded, then SIGKILL."""
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(self.popen.wait, STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    async def wait_ready(self, within_s: float = READY_TIMEOUT_S) -> bool:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            if not self.running:
+                return False
+            if await _http_status(self.port, "/readyz") == 200:
+                return True
+            await asyncio.sleep(POLL_S)
+        return False
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+async def _http_status(port: int, path: str) -> int:
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), HTTP_TIMEOUT_S)
+    except (OSError, TimeoutError):
+        return 0
+    try:
+        writer.write(f"GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n".encode())
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), HTTP_TIMEOUT_S)
+        parts = line.split()
+        return int(parts[1]) if len(parts) >= 2 else 0
+    except (OSError, TimeoutError, ValueError):
+        return 0
+    finally:
+        writer.close()
+
+
+async def _http_post_json(port: int, path: str, body: dict[str, Any]) -> int:
+    data = json.dumps(body).encode()
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), HTTP_TIMEOUT_S)
+    except (OSError, TimeoutError):
+        return 0
+    try:
+        writer.write(
+            f"POST {path} HTTP/1.0\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode() + data
+        )
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), HTTP_TIMEOUT_S)
+        parts = line.split()
+        return int(parts[1]) if len(parts) >= 2 else 0
+    except (OSError, TimeoutError, ValueError):
+        return 0
+    finally:
+        writer.close()
+
+
+def _svc(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+# ----------------------------------------------------------------------------------- oracle
+
+
+def _incarnation_of(vm_id: str, labels: dict[str, str]) -> tuple[str, str]:
+    """(key, uid prefix) of a VM: from the labels the agent stored, else from the VM name, which
+    embeds the sanitized pod name and the uid's first 8 hex digits (our pod names are already safe)."""
+    key = labels.get("vmfence.io/key")
+    uid = labels.get("vmfence.io/uid")
+    if key and uid:
+        return key, uid.replace("-", "")[:8]
+    name, uid8, _gen = ([*vm_id.rsplit("-", 2), "", ""])[:3]
+    return f"{NS}/{name}", uid8
+
+
+@dataclass(frozen=True)
+class SeenVM:
+    vm_id: str
+    key: str
+    uid8: str
+    pid: int | None  # the QEMU pid; None for the sim runtime
+    host: str
+
+
+def _proc_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split(" ", 1)[0] not in ("Z", "X")
+
+
+def scan_qemu(run_dir: Path) -> list[SeenVM]:
+    """Every live QEMU whose pidfile is ``<run_dir>/agents/<host>/runtime/vms/<vm>/qemu.pid``."""
+    prefix = str(run_dir.resolve() / "agents") + os.sep
+    out: list[SeenVM] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if not argv or b"qemu-system" not in os.path.basename(argv[0]):
+            continue
+        try:
+            pidfile = argv[argv.index(b"-pidfile") + 1].decode()
+        except (ValueError, IndexError):
+            continue
+        if not pidfile.startswith(prefix) or not _proc_alive(pid):
+            continue
+        vm_dir = os.path.dirname(pidfile)
+        vm_id = os.path.basename(vm_dir)
+        host = pidfile[len(prefix) :].split(os.sep, 1)[0]
+        labels: dict[str, str] = {}
+        with contextlib.suppress(OSError, ValueError):
+            with open(os.path.join(vm_dir, "spec.json")) as f:
+                labels = dict((json.load(f).get("spec") or {}).get("labels") or {})
+        key, uid8 = _incarnation_of(vm_id, labels)
+        out.append(SeenVM(vm_id, key, uid8, pid, host))
+    return out
+
+
+def scan_sim(run_dir: Path) -> list[SeenVM]:
+    """VMs the sim hosts record as existing (the file outlives a SIGKILLed agent, like a host)."""
+    out: list[SeenVM] = []
+    for host in HOSTS:
+        path = run_dir / "agents" / host / "runtime" / "sim-host.json"
+        try:
+            raw = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            continue
+        for vm_id, vm in (raw.get("vms") or {}).items():
+            if vm.get("state") in LIVE_STATES:
+                key, uid8 = _incarnation_of(vm_id, dict((vm.get("spec") or {}).get("labels") or {}))
+                out.append(SeenVM(vm_id, key, uid8, None, host))
+    return out
+
+
+class Oracle:
+    """Samples the OS (or the sim host files) and keeps the worst VM count per key and incarnation.
+
+    One scan is not atomic (a VM may exit while a later one is read), so a sample with two VMs for
+    one key is confirmed by a second scan: VM names are never reused, so two VMs present in both
+    scans existed at the same instant (the moment the second scan read the first of them).
+    """
+
+    def __init__(self, run_dir: Path, runtime: str) -> None:
+        self.run_dir = run_dir
+        self.runtime = runtime
+        self.samples = 0
+        self.max_per_key = 0
+        self.max_per_incarnation = 0
+        self.worst: list[str] = []
+
+    def scan(self) -> list[SeenVM]:
+        return scan_qemu(self.run_dir) if self.runtime == "qemu" else scan_sim(self.run_dir)
+
+    @staticmethod
+    def _group(vms: list[SeenVM], by_incarnation: bool) -> dict[Any, set[str]]:
+        out: dict[Any, set[str]] = {}
+        for vm in vms:
+            out.setdefault((vm.key, vm.uid8) if by_incarnation else vm.key, set()).add(vm.vm_id)
+        return out
+
+    def sample(self) -> None:
+        first = self.scan()
+        self.samples += 1
+        per_key = self._group(first, False)
+        worst = max((len(v) for v in per_key.values()), default=0)
+        if worst > 1:
+            second = {vm.vm_id for vm in self.scan()}
+            per_key = {k: v & second for k, v in per_key.items()}
+            per_inc = {k: v & second for k, v in self._group(first, True).items()}
+        else:
+            per_inc = self._group(first, True)
+        for k, v in per_key.items():
+            if len(v) > 1:
+                self.worst.append(f"{k}: {sorted(v)} at once (t={time.time():.1f})")
+            self.max_per_key = max(self.max_per_key, len(v))
+        for v in per_inc.values():
+            self.max_per_incarnation = max(self.max_per_incarnation, len(v))
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.to_thread(self.sample)
+            await asyncio.sleep(ORACLE_PERIOD_S)
+
+
+def kill_leftover_qemu(run_dir: Path) -> int:
+    """SIGKILL every QEMU of this run still alive (the last line of cleanup)."""
+    n = 0
+    for vm in scan_qemu(run_dir):
+        if vm.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(vm.pid, signal.SIGKILL)
+                n += 1
+    return n
+
+
+# ------------------------------------------------------------------------------- the campaign
+
+
+def _pod(name: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "labels": {"vmfence.io/managed": "true", "vmfence.io/chaos": "true"}},
+        "spec": {
+            "containers": [{"name": "main", "image": "vmfence/firmware"}],
+            "tolerations": [{"key": "vmfence.io/vm", "operator": "Exists", "effect": "NoSchedule"}],
+        },
+    }
+
+
+@dataclass
+class ProcessChaos:
+    args: argparse.Namespace
+    run_dir: Path = field(init=False)
+    runtime: str = field(init=False)
+    rng: random.Random = field(init=False)
+    procs: dict[str, Proc] = field(default_factory=dict, init=False)
+    kills: Counter[str] = field(default_factory=Counter, init=False)
+    unexpected_exits: Counter[str] = field(default_factory=Counter, init=False)
+    restart_timeouts: list[str] = field(default_factory=list, init=False)
+    ops: Counter[str] = field(default_factory=Counter, init=False)
+    notes: list[str] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        from services.cli.stack import pick_runtime
+
+        self.run_dir = Path(self.args.dir).resolve()
+        self.runtime = pick_runtime(self.args.runtime)
+        seed = self.args.rng_seed if self.args.rng_seed is not None else random.SystemRandom().randrange(2**31)
+        self.rng_seed = seed
+        self.rng = random.Random(seed)
+        self._stop_faults = asyncio.Event()
+        self._busy = asyncio.Lock()  # one component down at a time: the killer and the reviver take it
+
+    def say(self, text: str) -> None:
+        if not self.args.json:
+            print(f"[chaos {time.monotonic() - self._t0:7.1f}s] {text}", file=sys.stderr, flush=True)
+
+    # --------------------------------------------------------------------------- stack
+    async def start_stack(self) -> None:
+        from kubernetes_asyncio import client, config
+
+        from shared.bus import Bus, StreamsConfig, provision
+        from shared.natsserver import free_port, start_cluster
+        from shared.subjects import Subjects
+
+        if self.run_dir.exists():
+            shutil.rmtree(self.run_dir)
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True)
+        self.cluster = await start_cluster(3, base_dir=str(self.run_dir / "nats"))
+        urls = ",".join(self.cluster.urls)
+        self.subjects = Subjects(partitions=PARTITIONS)
+        self.bus = await Bus.open(self.cluster.urls, name="vmfence-chaos", subjects=self.subjects)
+        await provision(
+            self.bus.js, self.subjects, StreamsConfig(replicas=3, partitions=PARTITIONS, lease_ttl_s=LEASE_TTL_S)
+        )
+        kubeconfig = str(self.run_dir / "kubeconfig")
+        api_port = free_port()
+        self.api_port = api_port
+        self.procs["apiserver"] = Proc(
+            "apiserver", "apiserver",
+            _svc("apiserver", "--port", str(api_port), "--db", str(self.run_dir / "api.sqlite"),
+                 "--kubeconfig-out", kubeconfig),
+            api_port, logs / "apiserver.log",
+        )  # fmt: skip
+        self.procs["apiserver"].start()
+        if not await self.procs["apiserver"].wait_ready():
+            raise RuntimeError(f"apiserver not ready:\n{self.procs['apiserver'].tail()}")
+        await self._apply_api_faults()
+        for host in HOSTS:
+            port = free_port()
+            argv = _svc(
+                "agent", "--nats-url", urls, "--host", host, "--runtime", self.runtime,
+                "--data-dir", str(self.run_dir / "agents" / host), "--http-host", "127.0.0.1",
+                "--http-port", str(port), "--partitions", str(PARTITIONS), "--cpus", "64",
+                "--memory-mib", "65536", "--heartbeat-interval", "1", "--inventory-interval", "10",
+                "--probe-interval", "1", "--vnc-range", "none", "--shutdown-timeout", "10",
+                "--cleanup-on-stop", "--sim-seed", str(self.rng.randrange(2**31)),
+            )  # fmt: skip
+            self.procs[f"agent-{host}"] = Proc(f"agent-{host}", "agent", argv, port, logs / f"agent-{host}.log")
+        port = free_port()
+        self.procs["watcher"] = Proc(
+            "watcher", "watcher",
+            _svc("watcher", "--nats", urls, "--kubeconfig", kubeconfig, "--partitions", str(PARTITIONS),
+                 "--namespace", NS, "--http-host", "127.0.0.1", "--http-port", str(port)),
+            port, logs / "watcher.log",
+        )  # fmt: skip
+        for i in (1, 2):
+            port = free_port()
+            name = f"reconciler-{i}"
+            self.procs[name] = Proc(
+                name, "reconciler",
+                _svc("reconciler", "--nats", urls, "--kubeconfig", kubeconfig, "--id", name,
+                     "--partitions", str(PARTITIONS), "--replicas", "3",
+                     "--data-dir", str(self.run_dir / "reconcilers"), "--http-host", "127.0.0.1",
+                     "--http-port", str(port), "--lease-ttl", str(int(LEASE_TTL_S)),
+                     "--snapshot-interval", "0.5", "--restart-backoff", "1"),
+                port, logs / f"{name}.log",
+            )  # fmt: skip
+        for p in self.procs.values():
+            if not p.running:
+                p.start()
+        for p in self.procs.values():
+            if not await p.wait_ready():
+                raise RuntimeError(f"{p.name} not ready within {READY_TIMEOUT_S:.0f}s:\n{p.tail()}")
+        cfg = client.Configuration()
+        await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        self.api = client.ApiClient(cfg)
+        self.core = client.CoreV1Api(self.api)
+
+    async def _apply_api_faults(self) -> None:
+        if self.args.stale_reads and not self._stop_faults.is_set():
+            await _http_post_json(self.api_port, "/_dev/faults", {"stale": {"events": self.args.stale_reads}})
+
+    async def stop_stack(self) -> dict[str, Any]:
+        """Reverse order; agents get SIGTERM and remove their VMs (--cleanup-on-stop)."""
+        for attr in ("api", "bus"):
+            obj = getattr(self, attr, None)
+            if obj is not None:
+                with contextlib.suppress(Exception):
+                    await obj.close()
+        order = ["reconciler-1", "reconciler-2", "watcher", f"agent-{HOSTS[0]}", f"agent-{HOSTS[1]}", "apiserver"]
+        await asyncio.gather(*(self.procs[n].stop() for n in order[:3] if n in self.procs))
+        await asyncio.gather(*(self.procs[n].stop() for n in order[3:5] if n in self.procs))
+        left_after_agents = len(scan_qemu(self.run_dir)) if self.runtime == "qemu" else 0
+        for p in self.procs.values():
+            await p.stop()
+        cluster = getattr(self, "cluster", None)
+        if cluster is not None:
+            await cluster.stop()
+        return {"qemu_left_after_agent_stop": left_after_agents, "qemu_killed_at_end": kill_leftover_qemu(self.run_dir)}
+
+    # ---------------------------------------------------------------------------- faults
+    def _components(self) -> list[str]:
+        return [*self.procs, *(f"nats-{n.name}" for n in self.cluster.nodes)]
+
+    async def _kill_and_restart(self, victim: str) -> None:
+        down_s = self.rng.uniform(0.5, 3.0)
+        if victim.startswith("nats-"):
+            node = next(n for n in self.cluster.nodes if f"nats-{n.name}" == victim)
+            node.kill()
+            self.kills["nats"] += 1
+            self.say(f"SIGKILL {victim}; down {down_s:.1f}s")
+            await asyncio.sleep(down_s)  # the outage itself, not synchronisation
+            try:
+                await node.restart()
+                await self.cluster.wait_meta_leader()
+                await self._wait_node_healthy(node)
+            except Exception as exc:
+                self.restart_timeouts.append(f"{victim}: {exc!s:.300}")
+            return
+        proc = self.procs[victim]
+        proc.kill()
+        self.kills[proc.kind] += 1
+        self.say(f"SIGKILL {victim}; down {down_s:.1f}s")
+        await asyncio.sleep(down_s)
+        proc.start()
+        if not await proc.wait_ready():
+            self.restart_timeouts.append(f"{victim}: not ready within {READY_TIMEOUT_S:.0f}s:\n{proc.tail(5)}")
+        if victim == "apiserver":
+            await self._apply_api_faults()  # faults are in-memory: a restart clears them
+
+    async def _wait_node_healthy(self, node: Any) -> None:
+        """A restarted node is caught up when its full /healthz (streams current) says so."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if await _http_status(node.http_port, "/healthz") == 200:
+                return
+            await asyncio.sleep(POLL_S)
+        raise TimeoutError(f"{node.name} /healthz not ok within {READY_TIMEOUT_S:.0f}s")
+
+    async def killer(self) -> None:
+        every = self.args.kill_every
+        while not self._stop_faults.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop_faults.wait(), self.rng.uniform(0.5 * every, 1.5 * every))
+            if self._stop_faults.is_set():
+                return
+            async with self._busy:
+                await self._kill_and_restart(self.rng.choice(self._components()))
+
+    async def reviver(self) -> None:
+        """A component that exits on its own is a finding: record it, keep the system whole."""
+        while True:
+            await asyncio.sleep(1.0)
+            async with self._busy:
+                for p in self.procs.values():
+                    if p.popen is not None and p.popen.poll() is not None:
+                        self.unexpected_exits[p.name] += 1
+                        self.notes.append(f"{p.name} exited by itself with {p.popen.returncode}:\n{p.tail(8)}")
+                        self.say(f"{p.name} exited by itself ({p.popen.returncode}); restarting")
+                        p.start()
+                        await p.wait_ready()
+                for node in self.cluster.nodes:
+                    if not node.running:
+                        self.unexpected_exits[f"nats-{node.name}"] += 1
+                        with contextlib.suppress(Exception):
+                            await node.restart()
+
+    # ----------------------------------------------------------------------------- churn
+    async def churn(self) -> None:
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        names = [f"c-{i}" for i in range(self.args.pods)]
+        hibernating: dict[str, bool] = {}
+        every = self.args.churn_every
+        while not self._stop_faults.is_set():
+            name = self.rng.choice(names)
+            try:
+                pod = await self.core.read_namespaced_pod(name, NS)
+            except ApiException as exc:
+                pod = None if exc.status == 404 else False
+            except Exception:
+                pod = False
+            try:
+                if pod is False:
+                    self.ops["api_unavailable"] += 1
+                elif pod is None:
+                    await self.core.create_namespaced_pod(NS, _pod(name))
+                    hibernating[name] = False
+                    self.ops["create"] += 1
+                elif pod.metadata.deletion_timestamp is not None:
+                    self.ops["skipped_terminating"] += 1
+                else:
+                    roll = self.rng.random()
+                    if roll < 0.35:
+                        await self.core.delete_namespaced_pod(name, NS, grace_period_seconds=0)
+                        await self.core.create_namespaced_pod(NS, _pod(name))
+                        hibernating[name] = False
+                        self.ops["recreate"] += 1
+                    elif roll < 0.6:
+                        await self.core.delete_namespaced_pod(name, NS)
+                        self.ops["delete"] += 1
+                    elif roll < 0.85:
+                        value = not hibernating.get(name, False)
+                        body = {"metadata": {"annotations": {"vmfence.io/hibernate": "true" if value else "false"}}}
+                        await self.core.patch_namespaced_pod(name, NS, body)
+                        hibernating[name] = value
+                        self.ops["hibernate" if value else "wake"] += 1
+            except ApiException as exc:
+                self.ops[f"api_{exc.status}"] += 1
+            except Exception:
+                self.ops["api_unavailable"] += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop_faults.wait(), self.rng.uniform(0.3 * every, 1.7 * every))
+
+    # ------------------------------------------------------------------------ quiescence
+    async def _lag(self) -> int:
+        js, s = self.bus.js, self.subjects
+        lag = 0
+        names = [(s.stream_in, f"reconciler-p{p}") for p in range(PARTITIONS)]
+        names += [(s.stream_cmd, f"agent-{h}") for h in HOSTS]
+        for stream, durable in names:
+            try:
+                ci = await js.consumer_info(stream, durable)
+            except Exception:
+                return -1
+            lag += (ci.num_pending or 0) + (ci.num_ack_pending or 0)
+        return lag
+
+    async def _pods(self) -> dict[str, Any]:
+        res = await self.core.list_namespaced_pod(NS)
+        return {p.metadata.name: p for p in res.items}
+
+    @staticmethod
+    def _settled(p: Any) -> bool:
+        if p.metadata.deletion_timestamp is not None or p.status is None:
+            return False
+        conds = {c.type: c.status for c in (p.status.conditions or [])}
+        if (p.metadata.annotations or {}).get("vmfence.io/hibernate") == "true":
+            return conds.get("vmfence.io/Hibernated") == "True"
+        return p.status.phase == "Running" and conds.get("Ready") == "True"
+
+    async def quiesce(self, within_s: float) -> tuple[bool, str]:
+        """Zero lag, every pod settled, and no new log entry for QUIET_S seconds."""
+        deadline = time.monotonic() + within_s
+        last_seq, quiet_since, why = -1, time.monotonic(), "not checked"
+        while time.monotonic() < deadline:
+            try:
+                info = await self.bus.js.stream_info(self.subjects.stream_log)
+                lag = await self._lag()
+                pods = await self._pods()
+            except Exception as exc:
+                why = f"error: {exc!r:.200}"
+                await asyncio.sleep(POLL_S)
+                continue
+            unsettled = sorted(n for n, p in pods.items() if not self._settled(p))
+            seq = info.state.last_seq
+            if seq != last_seq or lag != 0 or unsettled:
+                why = f"log seq {seq}, lag {lag}, unsettled pods {unsettled}"
+                last_seq, quiet_since = seq, time.monotonic()
+            elif time.monotonic() - quiet_since >= QUIET_S:
+                return True, "quiet"
+            await asyncio.sleep(POLL_S)
+        return False, why
+
+    # ------------------------------------------------------------------------- the end
+    async def verdict(self) -> dict[str, Any]:
+        """Compare the OS's VMs with the live pods, and the log with both."""
+        from services.cli.logcmds import audit_records
+        from shared.decisions import read_log
+        from shared.schema import Admitted, Bound, Forgotten, Hibernated, Superseded
+        from shared.state import KeyState, fold
+
+        pods = await self._pods()
+        live = {f"{NS}/{n}": (str(p.metadata.uid), p) for n, p in pods.items()}
+        vms = await asyncio.to_thread(Oracle(self.run_dir, self.runtime).scan)
+        leaked = [
+            f"{vm.vm_id} on {vm.host} (key {vm.key}, uid {vm.uid8})"
+            for vm in vms
+            if vm.key not in live or live[vm.key][0].replace("-", "")[:8] != vm.uid8
+        ]
+        by_key = Counter(vm.key for vm in vms if vm.key in live)
+        without_vm = sorted(
+            k for k, (_uid, p) in live.items()
+            if (p.metadata.annotations or {}).get("vmfence.io/hibernate") != "true" and by_key[k] != 1
+        )  # fmt: skip
+        records = [r async for r in read_log(self.bus.js, self.subjects)]
+        report = audit_records(records)
+        states: dict[str, KeyState] = {}
+        admitted: dict[str, set[str]] = {}
+        ended: set[str] = set()
+        decided: dict[str, set[str]] = {}  # uid -> names of decisions that settle it
+        for rec in records:
+            s = states.setdefault(rec.entry.key, KeyState(key=rec.entry.key))
+            for d in rec.entry.decisions:
+                match d:
+                    case Admitted(fence=f):
+                        admitted.setdefault(f.key, set()).add(f.uid)
+                    case Superseded(fence=f) | Forgotten(fence=f):
+                        ended.add(f.uid)
+                    case Bound(fence=f) | Hibernated(fence=f):
+                        decided.setdefault(f.uid, set()).add(type(d).__name__)
+                fold(s, d)
+            s.n = rec.entry.n
+        lost: list[str] = []
+        for key, (uid, p) in live.items():
+            want_hib = (p.metadata.annotations or {}).get("vmfence.io/hibernate") == "true"
+            s = states.get(key)
+            cur = s.cur if s is not None else None
+            if cur is None or cur.fence.uid != uid:
+                lost.append(f"{key} uid {uid}: live pod, log's current incarnation is {cur.fence.uid if cur else None}")
+            elif not (cur.hibernated if want_hib else (cur.bound and cur.vm_id is not None)):
+                lost.append(f"{key} uid {uid}: live pod (hibernate={want_hib}) but the log says bound={cur.bound} "
+                            f"hibernated={cur.hibernated} ({sorted(decided.get(uid, ()))})")
+        for key, uids in admitted.items():
+            live_uid = live.get(key, ("", None))[0]
+            for uid in sorted(uids - ended - {live_uid}):
+                lost.append(f"{key} uid {uid}: deleted incarnation never Superseded/Forgotten")
+        violations = [f"{v.rule}: {v.key} entry {v.n}: {v.message}" for v in report.violations]
+        return {
+            "pods_live": len(live),
+            "vms_running": len(vms),
+            "leaked_vms": len(leaked),
+            "leaked": leaked,
+            "pods_without_vm": without_vm,
+            "lost_inputs": len(lost),
+            "lost": lost,
+            "violations": violations,
+            "log_entries": report.entries,
+            "decisions": report.decisions,
+            "vms_created": report.vms_created,
+            "vms_released": report.vms_released,
+            "skipped": report.skipped,
+            "keys": report.keys,
+        }
+
+    async def run(self) -> dict[str, Any]:
+        self._t0 = time.monotonic()
+        result: dict[str, Any] = {"minutes": self.args.minutes, "runtime": self.runtime, "rng_seed": self.rng_seed}
+        oracle = Oracle(self.run_dir, self.runtime)
+        tasks: list[asyncio.Task[None]] = []
+        ok = False
+        try:
+            self.say(f"starting the stack in {self.run_dir} (runtime {self.runtime})")
+            await self.start_stack()
+            self.say("stack up; churn and faults begin")
+            tasks.append(asyncio.create_task(oracle.run(), name="oracle"))
+            reviver = asyncio.create_task(self.reviver(), name="reviver")
+            tasks.append(reviver)
+            churn = asyncio.create_task(self.churn(), name="churn")
+            killer = asyncio.create_task(self.killer(), name="killer")
+            chaos_t0 = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop_faults.wait(), self.args.minutes * 60)
+            self._stop_faults.set()
+            await asyncio.gather(churn, killer)  # the killer finishes its restart first
+            result["chaos_seconds"] = round(time.monotonic() - chaos_t0, 1)
+            await _http_post_json(self.api_port, "/_dev/faults", {"reset": True})
+            self.say("faults stopped; waiting for quiescence")
+            q0 = time.monotonic()
+            quiesced, why = await self.quiesce(self.args.settle_timeout)
+            result["quiesce_seconds"] = round(time.monotonic() - q0, 1)
+            result["quiesced"] = quiesced
+            if not quiesced:
+                result["quiesce_state"] = why
+            end = await self.verdict()
+            if end["leaked_vms"] or end["pods_without_vm"]:
+                # an agent's periodic inventory may still collect an orphan: give it two rounds
+                self.say(f"end state not clean yet ({end['leaked']}, {end['pods_without_vm']}); re-checking")
+                await asyncio.sleep(25.0)
+                await self.quiesce(60.0)
+                end = await self.verdict()
+            result.update(end)
+            reviver.cancel()
+            await asyncio.to_thread(oracle.sample)
+            ok = True
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            self._stop_faults.set()
+            result.update(await self.stop_stack())
+        result.update(
+            {
+                "seconds": round(time.monotonic() - self._t0, 1),
+                "kills": dict(self.kills),
+                "kills_total": sum(self.kills.values()),
+                "pods_churned": sum(self.ops[k] for k in ("create", "recreate", "delete", "hibernate", "wake")),
+                "ops": dict(self.ops),
+                "max_vms_per_key": oracle.max_per_key,
+                "max_vms_per_incarnation": oracle.max_per_incarnation,
+                "oracle_samples": oracle.samples,
+                "oracle_overlaps": oracle.worst[:20],
+                "unexpected_exits": dict(self.unexpected_exits),
+                "restart_timeouts": self.restart_timeouts,
+                "notes": self.notes[:20],
+                "run_dir": str(self.run_dir),
+            }
+        )
+        broken = bool(
+            result["violations"] or result["leaked_vms"] or result["lost_inputs"] or result["pods_without_vm"]
+            or result["max_vms_per_key"] > 1 or result["max_vms_per_incarnation"] > 1 or not result["quiesced"]
+        )  # fmt: skip
+        result["ok"] = ok and not broken
+        if result["ok"] and not self.args.keep:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        return result
