@@ -39,6 +39,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     v.add_argument("--count", type=int, default=5)
     v.add_argument("--json", action="store_true")
     v.set_defaults(run=lambda a: bench_vm(a))
+    from services.cli.benchall import add_parser as add_all_parser
+
+    add_all_parser(bsub)
 
 
 async def raw_publish_rates(bus: Bus, n: int) -> tuple[float, float]:

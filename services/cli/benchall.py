@@ -1,0 +1,883 @@
+"""`vmfence bench all`: every headline figure beside a baseline measured in the same run.
+
+Each figure is a dict with its value(s), the baseline it is judged against, the target from the
+issue, and the command that reproduces it. Everything runs on this machine: an embedded nats-server,
+the development API server, the watcher and two sim agents in this process, reconcilers as child
+processes (``LocalStack``), pods created and watched with kubernetes-asyncio. Sizes: ``smoke``
+(seconds, for CI) and ``full`` (the issue's sizes).
+
+Figures:
+  decisions   full-stack decisions/s (pod create -> Running) vs raw async JetStream publish
+  latency     pod created -> Bound appended -> status Running, p50/p99 at fixed offered loads
+  pods        N pods to Running, then deleted to zero VMs, vs the same creates/deletes on a bare
+              API server
+  replay      `vmfence replay --file` and from JetStream vs raw msgspec decoding of the same file
+  memory      reconciler RSS per idle key above an empty reconciler
+  catchup     reconciler restart to ready with and without its snapshot vs a raw log read
+"""
+
+# The benchmark reads /proc and small files from the event loop; the figures it measures are
+# seconds long, these reads microseconds.
+# ruff: noqa: ASYNC220, ASYNC230, ASYNC240
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parents[2]
+NS = "default"
+VM_ANNOTATION = "vmfence.io/vm-id"
+VMFENCE = [sys.executable, "-m", "services.cli"]
+
+SIZES: dict[str, dict[str, Any]] = {
+    "smoke": {
+        "loads": [50], "load_seconds": 2.0, "pods": 200, "mem_keys": 2000,
+        "catchup_decisions": 5000, "raw_n": 5000, "create_concurrency": 32,
+    },
+    "full": {
+        "loads": [50, 200, 1000], "load_seconds": 5.0, "pods": 10000, "mem_keys": 100000,
+        "catchup_decisions": 100000, "raw_n": 20000, "create_concurrency": 64,
+    },
+}
+ALL_FIGURES = ("decisions", "latency", "pods", "replay", "memory", "catchup")
+DECISIONS_PER_KEY = 10  # observed -> bound -> status written, with NullGateway and answering agents
+
+
+def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    a = bsub.add_parser("all", help="every figure beside a baseline from the same run (JSON)")
+    a.add_argument("--size", choices=sorted(SIZES), default="smoke")
+    a.add_argument("--only", default=",".join(ALL_FIGURES), help=f"comma-separated subset of {','.join(ALL_FIGURES)}")
+    a.add_argument("--pods", type=int, help="override the size's pod count (pods/decisions figures)")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(run=lambda args: bench_all(args))
+
+
+def bench_all(args: argparse.Namespace) -> int:
+    from services.cli.bench import _emit
+    from services.cli.main import _run_async
+
+    only = tuple(x.strip() for x in args.only.split(",") if x.strip())
+    bad = [x for x in only if x not in ALL_FIGURES]
+    if bad:
+        print(f"vmfence bench all: unknown figure(s) {bad}; one of {ALL_FIGURES}", file=sys.stderr)
+        return 2
+    result = _run_async(run_all(args.size, only, pods=args.pods))
+    _emit(result, args.json)
+    return 0
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100), None for no samples."""
+    if not values:
+        return None
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
+    return s[k]
+
+
+def r4(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers depend on: cores, load when the run started, versions."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except OSError:
+        model = "?"
+    import nats
+
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        "python": sys.version.split()[0],
+        "nats_py": getattr(nats, "__version__", "?"),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }
+
+
+def _pod(name: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "labels": {"vmfence.io/managed": "true"}},
+        "spec": {
+            "containers": [{"name": "main", "image": "vmfence/firmware"}],
+            "tolerations": [{"key": "vmfence.io/vm", "operator": "Exists", "effect": "NoSchedule"}],
+        },
+    }
+
+
+async def _bounded(n: int, concurrency: int, fn: Callable[[int], Awaitable[None]]) -> None:
+    """fn(0..n-1) with at most `concurrency` in flight (a client's connection pool)."""
+    it = iter(range(n))
+
+    async def worker() -> None:
+        for i in it:
+            await fn(i)
+
+    async with asyncio.TaskGroup() as tg:
+        for _ in range(min(concurrency, n)):
+            tg.create_task(worker())
+
+
+# ------------------------------------------------------------------------------- pod tracking
+
+
+@dataclass
+class PodTracker:
+    """Watches the pods of one namespace (kubernetes-asyncio, raw dicts: no model deserialisation
+    on the benchmark's shared event loop) and records, per pod name, when it was first seen Running
+    with a VM annotation and when it was deleted. Relists on a lost or expired watch."""
+
+    core: Any
+    ns: str = NS
+    running_at: dict[str, float] = field(default_factory=dict)
+    present: set[str] = field(default_factory=set)
+    deleted_at: dict[str, float] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    relists: int = 0
+    synced: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def _see(self, kind: str, obj: dict[str, Any], now: float) -> None:
+        meta = obj.get("metadata") or {}
+        name = meta.get("name")
+        if not name:
+            return
+        if kind == "DELETED":
+            self.present.discard(name)
+            self.deleted_at.setdefault(name, now)
+        else:
+            self.present.add(name)
+            status = obj.get("status") or {}
+            if status.get("phase") == "Running" and VM_ANNOTATION in (meta.get("annotations") or {}):
+                self.running_at.setdefault(name, now)
+        self.changed.set()
+
+    async def run(self) -> None:
+        from kubernetes_asyncio import watch
+
+        class RawWatch(watch.Watch):  # type: ignore[misc]
+            def get_return_type(self, func: object) -> None:  # raw dicts, no models
+                return None
+
+        while True:
+            try:
+                resp = await self.core.list_namespaced_pod(self.ns, _preload_content=False)
+                data = json.loads(await resp.read())
+                now = time.time()
+                names = set()
+                for obj in data.get("items", []):
+                    names.add(obj["metadata"]["name"])
+                    self._see("ADDED", obj, now)
+                for gone in self.present - names:
+                    self._see("DELETED", {"metadata": {"name": gone}}, now)
+                self.synced.set()
+                rv = data["metadata"]["resourceVersion"]
+                w = RawWatch()
+                async for ev in w.stream(
+                    self.core.list_namespaced_pod, self.ns, resource_version=rv,
+                    allow_watch_bookmarks=True, timeout_seconds=3600,
+                ):  # fmt: skip
+                    if ev["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                        self._see(ev["type"], ev["object"], time.time())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # 410 Gone, a dropped stream: list again
+                self.relists += 1
+                await asyncio.sleep(0.05)
+
+    async def wait(self, pred: Callable[[], bool], timeout: float, what: str) -> float:  # noqa: ASYNC109
+        """time.time() when pred() first held (checked on every pod event)."""
+        deadline = time.monotonic() + timeout
+        while not pred():
+            self.changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), min(left, 1.0))
+        return time.time()
+
+
+# ------------------------------------------------------------------------------- log reading
+
+
+async def log_last_seq(js: Any, subjects: Any) -> int:
+    info = await js.stream_info(subjects.stream_log)
+    return int(info.state.last_seq)
+
+
+async def bound_times(js: Any, subjects: Any, start_seq: int, end_seq: int) -> dict[str, float]:
+    """Key -> JetStream timestamp of the entry holding its first Bound, from an ordered consumer."""
+    from shared.decisions import follow_log
+    from shared.schema import Bound
+
+    out: dict[str, float] = {}
+    if end_seq < start_seq:
+        return out
+    async with contextlib.aclosing(follow_log(js, subjects, start_seq=start_seq)) as records:
+        async for rec in records:
+            if any(isinstance(d, Bound) for d in rec.entry.decisions):
+                out.setdefault(rec.entry.key, rec.ts)
+            if rec.seq >= end_seq:
+                break
+    return out
+
+
+async def count_decisions(js: Any, subjects: Any, start_seq: int) -> tuple[int, int]:
+    """(entries, decisions) in the log from start_seq to its end now."""
+    from shared.decisions import read_log
+
+    entries = decisions = 0
+    async for rec in read_log(js, subjects, start_seq=start_seq):
+        entries += 1
+        decisions += len(rec.entry.decisions)
+    return entries, decisions
+
+
+# ------------------------------------------------------------------------------- the stack figures
+
+
+async def _api_only_baseline(n: int, concurrency: int) -> dict[str, float]:
+    """The same client creating then deleting (grace 0) n pods on a bare development API server:
+    the floor under "n pods to Running" and "deleted to zero VMs"."""
+    from kubernetes_asyncio import client, config
+
+    from services.apiserver.server import ApiServer, ApiServerConfig, write_kubeconfig
+
+    tmp = tempfile.mkdtemp(prefix="vmfence-benchapi-")
+    server = ApiServer(ApiServerConfig(db_path=None))
+    await server.start()
+    try:
+        cfg = client.Configuration()
+        await config.load_kube_config(
+            config_file=write_kubeconfig(server.url, os.path.join(tmp, "kubeconfig")), client_configuration=cfg
+        )
+        async with client.ApiClient(cfg) as api:
+            core = client.CoreV1Api(api)
+
+            async def create(i: int) -> None:
+                resp = await core.create_namespaced_pod(NS, _pod(f"base-{i}"), _preload_content=False)
+                await resp.read()
+
+            async def delete(i: int) -> None:
+                resp = await core.delete_namespaced_pod(
+                    f"base-{i}", NS, grace_period_seconds=0, _preload_content=False
+                )
+                await resp.read()
+
+            t0 = time.perf_counter()
+            await _bounded(n, concurrency, create)
+            create_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            await _bounded(n, concurrency, delete)
+            delete_s = time.perf_counter() - t0
+    finally:
+        await server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"create_s": create_s, "delete_s": delete_s}
+
+
+class StackBench:
+    """One LocalStack (sim runtime) for the decisions, latency, pods and replay figures."""
+
+    def __init__(self, size: dict[str, Any], pods: int, tmp: str) -> None:
+        self.size = size
+        self.n = pods
+        self.tmp = tmp
+        self.stack: Any = None
+        self.core: Any = None
+        self.tracker: PodTracker | None = None
+        self._tracker_task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> StackBench:
+        from kubernetes_asyncio import client
+
+        from services.cli.stack import LocalStack
+
+        self.stack = LocalStack(root=Path(self.tmp) / "stack", runtime="sim", partitions=8, reconcilers=2,
+                                host_cpus=100000, host_memory_mib=10**8)
+        await self.stack.start()
+        self.core = client.CoreV1Api(self.stack.api)
+        self.tracker = PodTracker(self.core)
+        self._tracker_task = asyncio.create_task(self.tracker.run(), name="pod-tracker")
+        await asyncio.wait_for(self.tracker.synced.wait(), 30)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._tracker_task is not None:
+            self._tracker_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._tracker_task
+        if self.stack is not None:
+            await self.stack.stop()
+
+    def vms(self) -> int:
+        return sum(len(a.driver.all_vms()) for a in self.stack.agents.values())
+
+    async def create(self, name: str) -> float:
+        resp = await self.core.create_namespaced_pod(NS, _pod(name), _preload_content=False)
+        await resp.read()
+        if resp.status >= 300:
+            raise RuntimeError(f"create {name}: HTTP {resp.status}")
+        return time.time()
+
+    async def delete(self, name: str) -> None:
+        resp = await self.core.delete_namespaced_pod(name, NS, _preload_content=False)
+        await resp.read()
+
+    async def delete_all_and_wait(self, names: list[str], timeout: float) -> tuple[float, float, float]:  # noqa: ASYNC109
+        """Graceful deletes (the reconciler removes the VM, then deletes with grace 0); returns
+        (seconds issuing deletes, seconds to zero VMs, seconds to zero pods) from the first delete."""
+        assert self.tracker is not None
+        t0 = time.time()
+        await _bounded(len(names), self.size["create_concurrency"], lambda i: self.delete(names[i]))
+        issued = time.time() - t0
+        deadline = time.monotonic() + timeout
+        vms_zero = None
+        while True:
+            if vms_zero is None and self.vms() == 0:
+                vms_zero = time.time() - t0
+            if vms_zero is not None and not (self.tracker.present & set(names)):
+                return issued, vms_zero, time.time() - t0
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.vms()} VMs / {len(self.tracker.present)} pods left after delete")
+            await asyncio.sleep(0.02)
+
+    # -------------------------------------------------------------------- raw publish
+    async def raw_publish(self) -> tuple[float, float]:
+        from services.cli.bench import raw_publish_rates
+
+        return await raw_publish_rates(self.stack.bus, self.size["raw_n"])
+
+    # -------------------------------------------------------------------- latency
+    async def latency(self, rate: int) -> dict[str, Any]:
+        """Offered load `rate` pods/s for load_seconds: creates are started on a fixed schedule
+        (not waiting for each other), so a slow system shows up as latency, not as fewer pods."""
+        assert self.tracker is not None
+        js, subjects = self.stack.bus.js, self.stack.subjects
+        n = max(1, int(rate * self.size["load_seconds"]))
+        names = [f"lat{rate}-{i}" for i in range(n)]
+        created: dict[str, float] = {}
+        start_seq = await log_last_seq(js, subjects) + 1
+
+        async def one(name: str) -> None:
+            created[name] = await self.create(name)
+
+        t_start = time.monotonic()
+        async with asyncio.TaskGroup() as tg:
+            for i, name in enumerate(names):
+                delay = t_start + i / rate - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tg.create_task(one(name))
+            offered_s = time.monotonic() - t_start
+        await self.tracker.wait(lambda: all(nm in self.tracker.running_at for nm in names),  # type: ignore[union-attr]
+                                120 + n / 20, f"{n} pods Running at {rate}/s")
+        end_seq = await log_last_seq(js, subjects)
+        bound = await bound_times(js, subjects, start_seq, end_seq)
+        to_bound, bound_to_status, total = [], [], []
+        for name in names:
+            t0, t2 = created[name], self.tracker.running_at[name]
+            t1 = bound.get(f"{NS}/{name}")
+            total.append(t2 - t0)
+            if t1 is not None:
+                to_bound.append(t1 - t0)
+                bound_to_status.append(t2 - t1)
+        await self.delete_all_and_wait(names, 120 + n / 20)
+        return {
+            "offered_per_s": rate,
+            "pods": n,
+            "achieved_create_per_s": round(n / offered_s, 1) if offered_s > 0 else None,
+            "to_bound_p50_s": r4(pct(to_bound, 50)),
+            "to_bound_p99_s": r4(pct(to_bound, 99)),
+            "bound_to_status_p50_s": r4(pct(bound_to_status, 50)),
+            "bound_to_status_p99_s": r4(pct(bound_to_status, 99)),
+            "to_running_p50_s": r4(pct(total, 50)),
+            "to_running_p99_s": r4(pct(total, 99)),
+            "bound_seen": len(to_bound),
+        }
+
+    # -------------------------------------------------------------------- N pods
+    async def pods_run(self) -> dict[str, Any]:
+        """N pods created as fast as the client can, to all Running (also the decisions/s run)."""
+        assert self.tracker is not None
+        js, subjects = self.stack.bus.js, self.stack.subjects
+        names = [f"pod-{i}" for i in range(self.n)]
+        start_seq = await log_last_seq(js, subjects) + 1
+        t0 = time.time()
+        await _bounded(self.n, self.size["create_concurrency"], lambda i: self._create_only(names[i]))
+        created_s = time.time() - t0
+        t_run = await self.tracker.wait(lambda: all(nm in self.tracker.running_at for nm in names),  # type: ignore[union-attr]
+                                        120 + self.n / 10, f"{self.n} pods Running")
+        running_s = t_run - t0
+        entries, decisions = await count_decisions(js, subjects, start_seq)
+        issued, vms_zero, pods_zero = await self.delete_all_and_wait(names, 120 + self.n / 10)
+        return {
+            "pods": self.n,
+            "create_issue_s": round(created_s, 3),
+            "to_running_s": round(running_s, 3),
+            "entries": entries,
+            "decisions": decisions,
+            "decisions_per_s": round(decisions / running_s, 1),
+            "delete_issue_s": round(issued, 3),
+            "delete_to_zero_vms_s": round(vms_zero, 3),
+            "delete_to_zero_pods_s": round(pods_zero, 3),
+        }
+
+    async def _create_only(self, name: str) -> None:
+        await self.create(name)
+
+
+# ------------------------------------------------------------------------------- replay
+
+
+def _run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float = 900) -> tuple[float, str]:
+    """Run `vmfence ...` as a child; (wall seconds, stdout). Raises on a non-zero exit."""
+    t0 = time.perf_counter()
+    p = subprocess.run([*VMFENCE, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                       env={**os.environ, **(env or {})}, check=False)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"vmfence {' '.join(args)} exited {p.returncode}: {p.stderr.strip()[-500:]}")
+    return wall, p.stdout
+
+
+async def replay_figure(url: str, partitions: int, tmp: str) -> dict[str, Any]:
+    """Export then replay (file and JetStream) as the CLI does, beside decoding the same file."""
+    from shared.bus import Bus, read_stream
+    from shared.decisions import iter_export
+    from shared.subjects import Subjects
+
+    env = {"VMFENCE_PARTITIONS": str(partitions)}
+    path = os.path.join(tmp, "log.export")
+    export_wall, _ = await asyncio.to_thread(_run_cli, ["export", "--nats", url, "-o", path], env)
+    file_wall, out = await asyncio.to_thread(_run_cli, ["replay", "--nats", url, "--file", path, "--json"], env)
+    from_file = json.loads(out)
+    js_wall, out = await asyncio.to_thread(_run_cli, ["replay", "--nats", url, "--json"], env)
+    from_js = json.loads(out)
+    data = Path(path).read_bytes()
+    entries = from_file["entries"]
+    # raw decoding of the same file: typed (the records replay needs) and untyped msgpack
+    typed = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        n = sum(1 for _ in iter_export(data))
+        typed.append(time.perf_counter() - t0)
+    dec = msgspec.msgpack.Decoder()
+    untyped = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        pos, m = 14, 0
+        while pos < len(data):
+            k = int.from_bytes(data[pos : pos + 4], "big")
+            dec.decode(data[pos + 4 : pos + 4 + k])
+            pos += 4 + k
+            m += 1
+        untyped.append(time.perf_counter() - t0)
+    assert n == entries == m, (n, entries, m)
+    # raw JetStream read of the same log (no decoding)
+    bus = await Bus.open(url, name="bench-replay", subjects=Subjects(partitions=partitions))
+    try:
+        t0 = time.perf_counter()
+        k = 0
+        async for _ in read_stream(bus.js, bus.subjects.stream_log, bus.subjects.log_all):
+            k += 1
+        raw_read_s = time.perf_counter() - t0
+    finally:
+        await bus.close()
+    typed_rate = entries / statistics.median(typed)
+    file_rate = entries / from_file["seconds"]
+    js_rate = entries / from_js["seconds"]
+    return {
+        "entries": entries,
+        "decisions": from_file["decisions"],
+        "file_bytes": len(data),
+        "export_wall_s": round(export_wall, 3),
+        "replay_file_s": from_file["seconds"],
+        "replay_file_wall_s": round(file_wall, 3),
+        "replay_file_entries_per_s": round(file_rate, 1),
+        "replay_js_s": from_js["seconds"],
+        "replay_js_wall_s": round(js_wall, 3),
+        "replay_js_entries_per_s": round(js_rate, 1),
+        "raw_typed_decode_entries_per_s": round(typed_rate, 1),
+        "raw_untyped_decode_entries_per_s": round(entries / statistics.median(untyped), 1),
+        "raw_js_read_entries_per_s": round(k / raw_read_s, 1),
+        "file_ratio_to_raw_decode": round(file_rate / typed_rate, 3),
+        "js_ratio_to_raw_decode": round(js_rate / typed_rate, 3),
+        "audit_clean": bool(from_file["clean"] and from_js["clean"]),
+    }
+
+
+# ------------------------------------------------------------------------------- reconciler state
+
+
+def _deep_size(roots: list[Any]) -> tuple[int, dict[str, int]]:
+    """Bytes reachable from roots through containers, msgspec structs, dataclasses and locks,
+    each object counted once (shared objects are counted for the first root that reaches them)."""
+    import dataclasses
+
+    seen: set[int] = set()
+    by_type: dict[str, int] = {}
+    total = 0
+    stack = list(roots)
+    leaf = (str, bytes, int, float, bool, type(None))
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        size = sys.getsizeof(obj)
+        total += size
+        name = type(obj).__name__
+        by_type[name] = by_type.get(name, 0) + size
+        if isinstance(obj, leaf):
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, list | tuple | set | frozenset):
+            stack.extend(obj)
+        elif isinstance(obj, msgspec.Struct):
+            stack.extend(getattr(obj, f) for f in obj.__struct_fields__)
+        elif dataclasses.is_dataclass(obj) or isinstance(obj, asyncio.Lock):
+            d = getattr(obj, "__dict__", None)
+            if d is not None:
+                stack.append(d)
+        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("collections"):
+            stack.append(obj.__dict__)
+    return total, by_type
+
+
+def state_child_main(url: str, keys: int, data_dir: str, rec_id: str, partitions: int) -> None:
+    """A reconciler in this (child) process with NullGateway objects for `keys` pods. Prints one
+    JSON line per phase on stdout: `empty` (ready, no keys), then `loaded` (every key bound and idle),
+    then stops (its snapshot is flushed on release) and exits."""
+    import uvloop
+
+    uvloop.run(_state_child(url, keys, data_dir, rec_id, partitions))
+
+
+async def _state_child(url: str, keys: int, data_dir: str, rec_id: str, partitions: int) -> None:
+    from services.reconciler.config import ReconcilerConfig
+    from services.reconciler.kube import NullGateway
+    from services.reconciler.service import Reconciler
+    from shared.bus import Bus
+    from shared.schema import HostHeartbeat, Observed, Spec, encode
+    from shared.subjects import Key, Subjects
+
+    def say(**kw: Any) -> None:
+        sys.stdout.write(json.dumps(kw) + "\n")
+        sys.stdout.flush()
+
+    subjects = Subjects(partitions=partitions)
+    bus = await Bus.open(url, name="bench-state", subjects=subjects)
+    hosts_kv = await bus.js.key_value(subjects.kv_hosts)
+
+    async def beat() -> None:
+        while True:
+            for host in ("host-a", "host-b"):
+                hb = HostHeartbeat(host, "sim", 10**7, 10**7, 10**10, 10**10, 0, time.time())
+                await hosts_kv.put(host, encode(hb))
+            await asyncio.sleep(3)
+
+    pods = [Key("pod", "bench", f"pod-{i}") for i in range(keys)]
+    gateway = NullGateway(keep_last=0)
+    spec = Spec()
+    for i, key in enumerate(pods):
+        gateway.objects[str(key)] = (f"uid-{i:08d}", 1, spec)
+    cfg = ReconcilerConfig(nats_url=[url], partitions=partitions, id=rec_id, data_dir=data_dir, kube="none",
+                           http_port=0, snapshot_interval_s=2.0)
+    rec = Reconciler(cfg, gateway=gateway, health=False)
+    async with asyncio.TaskGroup() as tg:
+        beat_task = tg.create_task(beat())
+        rec_task = tg.create_task(rec.run())
+        await asyncio.wait_for(rec.ready.wait(), 60)
+        while len(rec.hosts.live()) < 2:
+            rec.hosts.changed.clear()
+            await asyncio.wait_for(rec.hosts.changed.wait(), 30)
+        await asyncio.sleep(0.5)
+        gc.collect()
+        say(phase="empty", rss=rss_bytes(os.getpid()))
+        t0 = time.perf_counter()
+        window: list[asyncio.Future[Any]] = []
+        for i, key in enumerate(pods):
+            obs = Observed(str(key), f"uid-{i:08d}", 1)
+            window.append(await bus.js.publish_async(subjects.observation(key), encode(obs),
+                                                     headers={"Nats-Msg-Id": f"uid-{i:08d}:1"}))
+            if len(window) >= 1024:
+                await asyncio.wait_for(asyncio.gather(*window), 60)
+                window.clear()
+        await asyncio.wait_for(asyncio.gather(*window), 60)
+        window.clear()
+        deadline = time.monotonic() + max(300.0, keys / 50)
+        while True:
+            idle = sum(1 for part in rec.partitions.values() for slot in part.keys.values()
+                       if slot.state.cur is not None and slot.state.cur.bound and not slot.state.outbox)
+            if idle >= keys:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {idle}/{keys} keys idle")
+            await asyncio.sleep(0.1)
+        seconds = time.perf_counter() - t0
+        await asyncio.sleep(1.0)
+        gc.collect()
+        slots = [slot for part in rec.partitions.values() for slot in part.keys.values()]
+        sample = slots[: min(2000, len(slots))]
+        deep, by_type = _deep_size(sample)
+        decisions = sum(p.stats["decisions"] for p in rec.partitions.values())
+        say(phase="loaded", rss=rss_bytes(os.getpid()), keys=len(slots), seconds=seconds, decisions=decisions,
+            deep_bytes_per_key=deep / max(1, len(sample)),
+            deep_by_type={k: round(v / max(1, len(sample)), 1) for k, v in
+                          sorted(by_type.items(), key=lambda kv: -kv[1])[:12]})
+        rec.stop()
+        await rec_task
+        beat_task.cancel()
+    await bus.close()
+
+
+async def _fill_log(keys: int, tmp: str, partitions: int, rec_id: str) -> tuple[Any, list[dict[str, Any]]]:
+    """A nats-server, fake agents and a state child that takes `keys` pods to bound; returns the
+    running server and the child's phase lines. The caller stops the server."""
+    from shared.bus import Bus, StreamsConfig, provision
+    from shared.natsserver import start_nats
+    from shared.subjects import Subjects
+
+    server = await start_nats(store_dir=os.path.join(tmp, "nats"))
+    subjects = Subjects(partitions=partitions)
+    bus = await Bus.open(server.url, name="bench-fill", subjects=subjects)
+    await provision(bus.js, subjects, StreamsConfig(partitions=partitions))
+    await bus.close()
+    agents = await asyncio.create_subprocess_exec(
+        sys.executable, "-c",
+        f"from services.cli.bench import fake_agents_main; fake_agents_main({server.url!r}, {partitions})",
+        cwd=ROOT,
+    )  # fmt: skip
+    try:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c",
+            f"from services.cli.benchall import state_child_main; "
+            f"state_child_main({server.url!r}, {keys}, {os.path.join(tmp, 'rec')!r}, {rec_id!r}, {partitions})",
+            stdout=subprocess.PIPE, cwd=ROOT,
+        )  # fmt: skip
+        assert child.stdout is not None
+        raw = await asyncio.wait_for(child.stdout.read(), max(600, keys / 20))
+        lines = [json.loads(ln) for ln in raw.splitlines()]
+        rc = await child.wait()
+        if rc != 0 or len(lines) < 2:
+            raise RuntimeError(f"state child exited {rc} after {lines}")
+    finally:
+        agents.terminate()
+        await agents.wait()
+    return server, lines
+
+
+async def memory_figure(keys: int, tmp: str) -> dict[str, Any]:
+    """RSS of a reconciler process holding `keys` idle keys above the same process empty."""
+    server, lines = await _fill_log(keys, tmp, 16, "bench-mem")
+    await server.stop()
+    empty, loaded = lines[0], lines[1]
+    per_key = (loaded["rss"] - empty["rss"]) / keys
+    return {
+        "keys": keys,
+        "rss_empty_mib": round(empty["rss"] / 2**20, 1),
+        "rss_loaded_mib": round(loaded["rss"] / 2**20, 1),
+        "bytes_per_idle_key": round(per_key),
+        "python_deep_bytes_per_key": round(loaded["deep_bytes_per_key"]),
+        "python_bytes_per_key_by_type": loaded["deep_by_type"],
+        "fill_seconds": round(loaded["seconds"], 2),
+        "fill_decisions_per_s": round(loaded["decisions"] / loaded["seconds"], 1),
+    }
+
+
+async def _time_to_ready(url: str, data_dir: str, rec_id: str, partitions: int, log: str) -> float:
+    """Seconds from fork of `vmfence reconciler` to /readyz 200; the process is then stopped."""
+    from services.cli.stack import _http_ok
+    from shared.natsserver import free_port
+
+    port = free_port()
+    t0 = time.perf_counter()
+    with open(log, "ab") as err:
+        proc = subprocess.Popen(
+            [*VMFENCE, "reconciler", "--nats", url, "--kube", "none", "--id", rec_id,
+             "--partitions", str(partitions), "--data-dir", data_dir, "--http-host", "127.0.0.1",
+             "--http-port", str(port), "--log-format", "text"],
+            stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        while not await _http_ok(port, "/readyz"):
+            if proc.poll() is not None:
+                raise RuntimeError(f"reconciler exited {proc.returncode}; see {log}")
+            if time.perf_counter() - t0 > 300:
+                raise TimeoutError("reconciler not ready after 300 s")
+            await asyncio.sleep(0.01)
+        return time.perf_counter() - t0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(proc.wait, 30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+
+
+async def catchup_figure(decisions: int, tmp: str) -> dict[str, Any]:
+    """Restart to ready with the snapshot present vs deleted, on a log of about `decisions`
+    decisions; baselines: the interpreter importing the reconciler, and a raw read of the log."""
+    from shared.bus import Bus, read_stream
+    from shared.subjects import Subjects
+
+    partitions = 16
+    keys = max(1, decisions // DECISIONS_PER_KEY)
+    rec_id = "bench-catchup"
+    server, lines = await _fill_log(keys, tmp, partitions, rec_id)
+    try:
+        data_dir = os.path.join(tmp, "rec")
+        log = os.path.join(tmp, "catchup.log")
+        snap = [p for p in os.listdir(data_dir) if p.startswith("snapshot-") and p.endswith(".sqlite")]
+        with_snap = await _time_to_ready(server.url, data_dir, rec_id, partitions, log)
+        for p in os.listdir(data_dir):
+            if p.startswith("snapshot-"):
+                os.unlink(os.path.join(data_dir, p))
+        without_snap = await _time_to_ready(server.url, data_dir, rec_id, partitions, log)
+        # the second start wrote a fresh snapshot on its stop: a third start is "with" again
+        with_snap2 = await _time_to_ready(server.url, data_dir, rec_id, partitions, log)
+        t0 = time.perf_counter()
+        p = await asyncio.create_subprocess_exec(sys.executable, "-c", "import services.reconciler.service",
+                                                 cwd=ROOT)
+        await p.wait()
+        import_s = time.perf_counter() - t0
+        bus = await Bus.open(server.url, name="bench-catchup", subjects=Subjects(partitions=partitions))
+        try:
+            t0 = time.perf_counter()
+            n = 0
+            async for _ in read_stream(bus.js, bus.subjects.stream_log, bus.subjects.log_all):
+                n += 1
+            raw_read_s = time.perf_counter() - t0
+        finally:
+            await bus.close()
+    finally:
+        await server.stop()
+    return {
+        "decisions": lines[1]["decisions"],
+        "keys": keys,
+        "entries": n,
+        "snapshot_files": snap,
+        "ready_with_snapshot_s": round(min(with_snap, with_snap2), 3),
+        "ready_with_snapshot_runs_s": [round(with_snap, 3), round(with_snap2, 3)],
+        "ready_without_snapshot_s": round(without_snap, 3),
+        "python_import_floor_s": round(import_s, 3),
+        "raw_log_read_s": round(raw_read_s, 3),
+    }
+
+
+# ------------------------------------------------------------------------------- all
+
+
+async def run_all(size: str, only: tuple[str, ...] = ALL_FIGURES, *, pods: int | None = None) -> dict[str, Any]:
+    """Run the chosen figures; each carries its baseline, target, verdict and command."""
+    sz = SIZES[size]
+    n = pods or sz["pods"]
+    cmd = f"vmfence bench all --size {size} --json"
+    out: dict[str, Any] = {"bench": "all", "size": size, "machine": machine(), "figures": {}}
+    figs: dict[str, Any] = out["figures"]
+    tmp = tempfile.mkdtemp(prefix="vmfence-benchall-")
+    try:
+        if {"decisions", "latency", "pods", "replay"} & set(only):
+            t_fig = time.perf_counter()
+            base = await _api_only_baseline(n, sz["create_concurrency"]) if "pods" in only else None
+            async with StackBench(sz, n, tmp) as sb:
+                sync_rate, async_rate = await sb.raw_publish()
+                if "latency" in only:
+                    loads = [await sb.latency(rate) for rate in sz["loads"]]
+                    at200 = next((x for x in loads if x["offered_per_s"] == 200), None)
+                    figs["latency"] = {
+                        "loads": loads,
+                        "target": "pod-to-bound p99 < 0.1 s at 200 pods/s",
+                        "met": None if at200 is None else (at200["to_bound_p99_s"] or 1e9) < 0.1,
+                        "command": f"{cmd} --only latency",
+                    }
+                run = await sb.pods_run() if {"decisions", "pods"} & set(only) else None
+                if run is not None and "decisions" in only:
+                    figs["decisions"] = {
+                        "decisions_per_s": run["decisions_per_s"],
+                        "decisions": run["decisions"],
+                        "pods": run["pods"],
+                        "seconds": run["to_running_s"],
+                        "baseline_raw_async_publish_per_s": round(async_rate, 1),
+                        "baseline_raw_sync_publish_per_s": round(sync_rate, 1),
+                        "ratio_to_raw_async_publish": round(run["decisions_per_s"] / async_rate, 3),
+                        "target": ">= 0.5 x raw async publish",
+                        "met": run["decisions_per_s"] / async_rate >= 0.5,
+                        "command": f"{cmd} --only decisions",
+                    }
+                if run is not None and "pods" in only:
+                    assert base is not None
+                    figs["pods"] = {
+                        **{k: v for k, v in run.items() if k not in ("decisions_per_s",)},
+                        "baseline_api_create_s": round(base["create_s"], 3),
+                        "baseline_api_delete_s": round(base["delete_s"], 3),
+                        "target": "10 000 pods Running in < 60 s",
+                        "met": run["to_running_s"] < 60 if n >= 10000 else None,
+                        "command": f"{cmd} --only pods",
+                    }
+                if "replay" in only:
+                    rep = await replay_figure(sb.stack.nats.url, sb.stack.partitions, tmp)
+                    figs["replay"] = {
+                        **rep,
+                        "target": "replay >= 0.5 x raw decode",
+                        "met": rep["file_ratio_to_raw_decode"] >= 0.5,
+                        "command": f"{cmd} --only replay  (or: vmfence export -o F && vmfence replay --file F --json)",
+                    }
+                out["tracker_relists"] = sb.tracker.relists if sb.tracker else 0
+            out["stack_seconds"] = round(time.perf_counter() - t_fig, 1)
+        if "memory" in only:
+            mem = await memory_figure(sz["mem_keys"], os.path.join(tmp, "mem"))
+            figs["memory"] = {
+                **mem,
+                "target": "<= 1024 bytes per idle key",
+                "met": mem["bytes_per_idle_key"] <= 1024,
+                "command": f"{cmd} --only memory",
+            }
+        if "catchup" in only:
+            cu = await catchup_figure(sz["catchup_decisions"], os.path.join(tmp, "catchup"))
+            figs["catchup"] = {
+                **cu,
+                "target": "< 5 s to ready",
+                "met": cu["ready_without_snapshot_s"] < 5 and cu["ready_with_snapshot_s"] < 5,
+                "command": f"{cmd} --only catchup",
+            }
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    out["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    return out
