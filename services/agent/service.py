@@ -76,7 +76,8 @@ DLQ_SOURCE = "agent"
 NAK_DELAY_S = 1.0  # redelivery delay after a result could not be published
 FETCH_ERROR_BACKOFF_S = 1.0
 LOCK_FILE = "agent.lock"
-STOPPED_TASK_WAIT_S = 5.0  # background tasks after cancel
+CANCEL_ATTEMPTS = 50  # re-cancels of a startup step that swallowed a cancel
+CANCEL_RETRY_S = 0.1
 
 
 class AgentStartError(Exception):
@@ -141,6 +142,19 @@ def validate_command(cmd: Command, host: str) -> None:
         Key.parse(cmd.fence.key)
     except ValueError as e:
         raise Malformed(str(e)) from None
+
+
+async def _cancel_hard(task: asyncio.Future[Any]) -> None:
+    """Cancel until it takes: on Python 3.11 ``asyncio.wait_for`` swallows a cancel that races
+    with its inner result, and nats-py's initial connect then just tries the next server."""
+    for _ in range(CANCEL_ATTEMPTS):
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=CANCEL_RETRY_S)
+        if done:
+            with contextlib.suppress(BaseException):
+                task.result()
+            return
+    log.warning("a startup step ignored %d cancellations; abandoning it", CANCEL_ATTEMPTS)
 
 
 class Agent:
@@ -264,9 +278,7 @@ class Agent:
             stop.cancel()
         if step in done:
             return step.result()
-        step.cancel()
-        with contextlib.suppress(BaseException):
-            await step
+        await _cancel_hard(step)
         if self._stopping.is_set():
             raise _StoppedDuringStartup
         raise AgentStartError(f"could not {what} within {self.config.connect_timeout:g}s")

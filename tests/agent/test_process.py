@@ -178,4 +178,8 @@ async def test_unreachable_nats_fails_bounded_and_sigterm_stops_startup(tmp_path
         assert a.raw[-1].startswith("vmfence agent: error:") and "NATS" in a.raw[-1]
     async with agent_process(*args, "--data-dir", str(tmp_path / "b")) as b:
         await b.wait_event("connecting")
-        assert await b.finish(signal.SIGTERM) == 0  # heard at once, not after the connect gives up
+        try:
+            rc = await b.finish(signal.SIGTERM)
+        except TimeoutError:
+            raise AssertionError("\n".join(b.raw)) from None
+        assert rc == 0  # heard at once, not after the connect gives up
