@@ -63,6 +63,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--rng-seed", type=int, default=None, help="seed of the kill/churn schedule (default: random)")
     p.add_argument("--dir", default=".vmfence/chaos", help="run directory (removed first)")
     p.add_argument("--keep", action="store_true", help="keep the run directory (logs) after a clean run")
+    p.add_argument("--targets", default="all",
+                   help="comma-separated kinds to SIGKILL: apiserver,watcher,reconciler,agent,nats (default all)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(run=run_chaos)
 
@@ -394,7 +397,8 @@ class ProcessChaos:
         self._busy = asyncio.Lock()  # one component down at a time: the killer and the reviver take it
 
     def say(self, text: str) -> None:
-        if not self.args.json:
+        """Progress on stderr (stdout carries only the JSON)."""
+        if not self.args.quiet:
             print(f"[chaos {time.monotonic() - self._t0:7.1f}s] {text}", file=sys.stderr, flush=True)
 
     # --------------------------------------------------------------------------- stack
@@ -494,7 +498,13 @@ class ProcessChaos:
 
     # ---------------------------------------------------------------------------- faults
     def _components(self) -> list[str]:
-        return [*self.procs, *(f"nats-{n.name}" for n in self.cluster.nodes)]
+        kinds = {"apiserver", "watcher", "reconciler", "agent", "nats"}
+        if self.args.targets != "all":
+            kinds = {k.strip() for k in self.args.targets.split(",")}
+        names = [n for n, p in self.procs.items() if p.kind in kinds]
+        if "nats" in kinds:
+            names += [f"nats-{n.name}" for n in self.cluster.nodes]
+        return names
 
     async def _kill_and_restart(self, victim: str) -> None:
         down_s = self.rng.uniform(0.5, 3.0)
@@ -637,7 +647,11 @@ class ProcessChaos:
         """Zero lag, every pod settled, and no new log entry for QUIET_S seconds."""
         deadline = time.monotonic() + within_s
         last_seq, quiet_since, why = -1, time.monotonic(), "not checked"
+        said = time.monotonic()
         while time.monotonic() < deadline:
+            if time.monotonic() - said > 5.0:
+                self.say(f"not quiet yet: {why}")
+                said = time.monotonic()
             try:
                 info = await self.bus.js.stream_info(self.subjects.stream_log)
                 lag = await self._lag()
