@@ -37,6 +37,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     v = bsub.add_parser("vm", help="VM create/hibernate/wake latency vs a bare qemu")
     v.add_argument("--runtime", default="qemu")
     v.add_argument("--count", type=int, default=5)
+    v.add_argument("--guest-boots", type=int, default=3, help="guest VMs booted for guest_boot_p50_s (qemu)")
     v.add_argument("--json", action="store_true")
     v.set_defaults(run=lambda a: bench_vm(a))
     from services.cli.benchall import add_parser as add_all_parser
@@ -223,7 +224,7 @@ def bench_vm(args: argparse.Namespace) -> int:
     from services.cli.benchvm import run_vm_bench
     from services.cli.main import _run_async
 
-    result = _run_async(run_vm_bench(args.runtime, args.count))
+    result = _run_async(run_vm_bench(args.runtime, args.count, guest_boots=getattr(args, "guest_boots", 3)))
     _emit(result, args.json)
     return 0
 

@@ -66,6 +66,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     a.add_argument("--size", choices=sorted(SIZES), default="smoke")
     a.add_argument("--only", default=",".join(ALL_FIGURES), help=f"comma-separated subset of {','.join(ALL_FIGURES)}")
     a.add_argument("--pods", type=int, help="override the size's pod count (pods/decisions figures)")
+    a.add_argument("--sim-persist", action="store_true",
+                   help="keep the sim driver's per-op host file (O(ops) per op; see docs/benchmarks.md)")
     a.add_argument("--json", action="store_true")
     a.set_defaults(run=lambda args: bench_all(args))
 
@@ -79,7 +81,7 @@ def bench_all(args: argparse.Namespace) -> int:
     if bad:
         print(f"vmfence bench all: unknown figure(s) {bad}; one of {ALL_FIGURES}", file=sys.stderr)
         return 2
-    result = _run_async(run_all(args.size, only, pods=args.pods))
+    result = _run_async(run_all(args.size, only, pods=args.pods, sim_persist=args.sim_persist))
     _emit(result, args.json)
     return 0
 
@@ -311,8 +313,10 @@ async def _api_only_baseline(n: int, concurrency: int) -> dict[str, float]:
 class StackBench:
     """One LocalStack (sim runtime) for the decisions, latency, pods and replay figures."""
 
-    def __init__(self, size: dict[str, Any], pods: int, tmp: str) -> None:
+    def __init__(self, size: dict[str, Any], pods: int, tmp: str, *, sim_persist: bool = False) -> None:
         self.size = size
+        self.sim_persist = sim_persist
+        self._trim_task: asyncio.Task[None] | None = None
         self.n = pods
         self.tmp = tmp
         self.stack: Any = None
@@ -328,13 +332,31 @@ class StackBench:
         self.stack = LocalStack(root=Path(self.tmp) / "stack", runtime="sim", partitions=8, reconcilers=2,
                                 host_cpus=100000, host_memory_mib=10**8)
         await self.stack.start()
+        if not self.sim_persist:
+            # The sim driver appends every op (a probe per VM per second included) to a history
+            # list and rewrites all of it to sim-host.json after each op: O(ops so far) per op,
+            # which dominates the whole stack past a few thousand VMs (see docs/benchmarks.md).
+            # Measure vmfence, not that bookkeeping: no file, and the in-memory history bounded.
+            for agent in self.stack.agents.values():
+                agent.driver.state_dir = None
+            self._trim_task = asyncio.create_task(self._trim_history(), name="sim-history-trim")
         self.core = client.CoreV1Api(self.stack.api)
         self.tracker = PodTracker(self.core)
         self._tracker_task = asyncio.create_task(self.tracker.run(), name="pod-tracker")
         await asyncio.wait_for(self.tracker.synced.wait(), 30)
         return self
 
+    async def _trim_history(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            for agent in self.stack.agents.values():
+                history = agent.driver.history
+                if len(history) > 20000:
+                    del history[:-1000]
+
     async def __aexit__(self, *exc: object) -> None:
+        if self._trim_task is not None:
+            self._trim_task.cancel()
         if self._tracker_task is not None:
             self._tracker_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -804,7 +826,9 @@ async def catchup_figure(decisions: int, tmp: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- all
 
 
-async def run_all(size: str, only: tuple[str, ...] = ALL_FIGURES, *, pods: int | None = None) -> dict[str, Any]:
+async def run_all(
+    size: str, only: tuple[str, ...] = ALL_FIGURES, *, pods: int | None = None, sim_persist: bool = False
+) -> dict[str, Any]:
     """Run the chosen figures; each carries its baseline, target, verdict and command."""
     sz = SIZES[size]
     n = pods or sz["pods"]
@@ -816,7 +840,8 @@ async def run_all(size: str, only: tuple[str, ...] = ALL_FIGURES, *, pods: int |
         if {"decisions", "latency", "pods", "replay"} & set(only):
             t_fig = time.perf_counter()
             base = await _api_only_baseline(n, sz["create_concurrency"]) if "pods" in only else None
-            async with StackBench(sz, n, tmp) as sb:
+            out["sim_persist"] = sim_persist
+            async with StackBench(sz, n, tmp, sim_persist=sim_persist) as sb:
                 sync_rate, async_rate = await sb.raw_publish()
                 if "latency" in only:
                     loads = [await sb.latency(rate) for rate in sz["loads"]]
