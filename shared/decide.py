@@ -11,7 +11,8 @@ Reading guide (the rows of the table):
     ---------------  ------------------------------------  ------------------------------------
     Observed         uid tombstoned                        Skipped(superseded)
                      uid current, not newer                (dropped)
-                     uid current, deleting/gone            delete path (rule 5)
+                     uid current, gone (no claim held)     ConfirmRequested: successor or absent?
+                     uid current, deleting                 delete path (rule 5)
                      uid current, spec changed             SpecChanged [+ hibernate / wake]
                      uid unknown                           ConfirmRequested   (rule 3)
     ConfirmedRead    object absent                         delete path of current, tombstones
@@ -176,6 +177,12 @@ def _on_observed(run: _Run, o: Observed) -> None:
     if cur is not None and cur.fence.uid == o.uid:
         if o.resource_version <= cur.rv and not o.gone:
             return  # not newer than what we folded: dropped, counted by the shell
+        if o.gone and not cur.delete_claim:
+            # gone without a graceful phase (a force delete): ask who owns the name now, so a
+            # successor created right behind it is seen — and its on-recreate policy applies —
+            # before the predecessor's VM is touched
+            _request_confirm(run, o.uid)
+            return
         if o.gone or o.deleting:
             _delete_path(run, cur, gone=o.gone)
             return

@@ -186,13 +186,12 @@ def spec_of_pod(pod: JSON) -> tuple[Spec, str | None]:
 
 def spec_of_vm(obj: JSON) -> tuple[Spec, str | None]:
     """Spec from a VirtualMachine's ``spec`` (cpus, memory, image, restartPolicy, hibernated,
-    hostSelector). ``image`` is required; an empty hostSelector means any host."""
+    hostSelector). Without ``image`` the VM runs firmware-only, as a pod without the image
+    annotation does; an empty hostSelector means any host."""
     spec = _dict(obj.get("spec"))
     c = _Collector()
-    if "image" in spec:
+    if spec.get("image") is not None:
         c.take("image", parse_image, "spec.image", spec["image"])
-    else:
-        c.errors.append("spec.image: is required (an image reference)")
     if spec.get("cpus") is not None:
         c.take("cpus", parse_int, "spec.cpus", spec["cpus"], CPUS_MIN, CPUS_MAX)
     if spec.get("memory") is not None:

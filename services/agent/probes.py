@@ -42,6 +42,14 @@ class Prober:
         """The ledger changed (a command finished): start/stop loops now, not at the next tick."""
         self._kick.set()
 
+    def restart(self, vm_id: str) -> None:
+        """The VM was (re)started: probe it afresh, so its readiness is reported again even if an
+        exit and restart both fell between two probes (the reconciler forgot readiness at the exit)."""
+        task = self._tasks.pop(vm_id, None)
+        if task is not None:
+            task.cancel()
+        self._kick.set()
+
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
             try:

@@ -448,7 +448,10 @@ class Agent:
         else:
             self.metrics.commands.labels(op=cmd.op, result=result.outcome).inc()
         assert self.prober is not None
-        self.prober.kick()
+        if result.outcome == "ok" and cmd.op in ("create", "start", "wake", "adopt") and not replayed:
+            self.prober.restart(cmd.vm_id)
+        else:
+            self.prober.kick()
         try:
             await self._report("result", result.fence, result, result.command_id)
         except (AppendFailed, nats.errors.Error, TimeoutError) as e:

@@ -186,12 +186,14 @@ def test_vm_spec_valid() -> None:
         host_selector="host-b",
     )
     assert spec_of_vm(vm(image="x", hostSelector=""))[0].host_selector is None
+    firmware_only, invalid = spec_of_vm(vm())
+    assert invalid is None and firmware_only.image is None
 
 
 @pytest.mark.parametrize(
     ("spec", "words"),
     [
-        ({}, "spec.image: is required"),
+        ({"image": ""}, "spec.image"),
         ({"image": "x", "cpus": 100}, "spec.cpus: 100 is not an integer between 1 and 64"),
         ({"image": "x", "cpus": True}, "spec.cpus"),
         ({"image": "x", "memory": "huge"}, 'spec.memory: "huge"'),
