@@ -88,7 +88,7 @@ def parse(argv: list[str] | None = None) -> ReconcilerConfig:
     p.add_argument("--lease-ttl", default=_env("LEASE_TTL", "10"))
     p.add_argument("--max-partitions", default=_env("MAX_PARTITIONS", "0"))
     p.add_argument("--snapshot-interval", default=_env("SNAPSHOT_INTERVAL", "2"))
-    p.add_argument("--host-stale", default=_env("HOST_STALE", "15"), help="heartbeat age (s) after which a host is down")
+    p.add_argument("--host-stale", default=_env("HOST_STALE", "15"), help="heartbeat age (s) for a dead host")
     p.add_argument("--restart-backoff", default=_env("RESTART_BACKOFF", "10"), help="first VM restart delay (s)")
     a = p.parse_args(argv)
     prefix = a.prefix
