@@ -125,7 +125,9 @@ class Auditor:
                     self._bad(key, n, seq, "two_vms_for_key", f"{vm_id} placed while {names} exist")
             case Commanded(command=c):
                 rec = s.vms.get(c.vm_id)
-                if c.op == "remove":
+                if c.op == "survey":
+                    pass  # a read of what hosts have: no VM is touched
+                elif c.op == "remove":
                     if rec is not None and rec.fence != c.fence:
                         self._bad(
                             key, n, seq, "command_fence_not_current",

@@ -28,7 +28,8 @@ Reading guide (the rows of the table):
                      current bound VM, delete claim held   Released + EvictionDeferred
     ProbeChanged     fence not current                     Skipped(superseded | stale_effect)
     Inventoried      unknown VM of current uid             adopt (inspect first, rule 8)
-                     unknown VM of another uid             remove as orphan (never a leak)
+                     unknown VM of a tombstoned uid        remove as orphan (never a leak)
+                     unknown VM of an unknown uid          ConfirmRequested (who owns the name?)
     WriteDone        superseded (Conflict/Invalid)         ConfirmRequested (rule 6)
                      gone (NotFound)                       delete path
     TimerFired       purpose                               re-check, never destroy (rule 12)
@@ -44,6 +45,7 @@ from collections.abc import Sequence
 import msgspec
 
 from shared.schema import (
+    SURVEY_VM_ID,
     Admitted,
     Adopted,
     Bound,
@@ -55,6 +57,7 @@ from shared.schema import (
     ConfirmRequested,
     Decision,
     DeleteClaimed,
+    Discovered,
     Done,
     EvictionDeferred,
     EvictionRequested,
@@ -70,6 +73,7 @@ from shared.schema import (
     PodStatusIntent,
     ProbeChanged,
     ReadyChanged,
+    Rebuilt,
     Released,
     Restarting,
     Skipped,
@@ -127,8 +131,10 @@ class _Run:
         return self.s.n + 1
 
     def effect_id(self, *parts: object) -> str:
-        """Deterministic effect ids: derived from the log position, so replay re-derives them."""
-        return ":".join(str(p) for p in (*parts, self.next_n, len(self.out)))
+        """Deterministic effect ids: derived from the log position, so replay re-derives them. The
+        key's epoch counter is part of it: after a lost tail the positions repeat, the epoch does
+        not (Rebuilt lifts it), so an answer to a lost effect can never complete a new one."""
+        return ":".join(str(p) for p in (*parts, f"{self.s.epoch}.{self.next_n}.{len(self.out)}"))
 
 
 def decide(state: KeyState, inp: Input, env: DecideEnv | None = None) -> list[Decision]:
@@ -290,6 +296,8 @@ def _bring_up(run: _Run) -> None:
     cur = s.cur
     if cur is None or cur.deleting or cur.invalid is not None or cur.phase in ("Failed", "Succeeded"):
         return
+    if s.rebuilding:
+        return  # after a lost tail, no VM is made until every host said what it has
     if cur.vm_id is not None and cur.vm_id in s.vms:
         return  # has (or is making) its VM
     if s.vms:
@@ -354,7 +362,7 @@ def _on_result(run: _Run, r: CommandResult) -> None:
             else:
                 _after_release(run)
         return
-    if r.outcome == "inconclusive":
+    if r.outcome == "inconclusive" and cmd.op != "survey":
         if cmd.op == "adopt" and s.is_current(cmd.fence):
             _arm(run, cmd.fence, f"adopt/{cmd.vm_id}", EFFECT_RETRY_S)
         elif rec is not None:
@@ -399,6 +407,15 @@ def _on_result(run: _Run, r: CommandResult) -> None:
                 _after_release(run)
         case "inspect":
             pass
+        case "survey":
+            if r.outcome == "ok":
+                for item in r.found:
+                    if item.vm_id not in s.vms:
+                        _discover(run, item)
+                if not s.rebuilding:
+                    _after_release(run)
+            else:
+                _arm(run, cmd.fence, "survey", EFFECT_RETRY_S)
 
 
 def _result_up(run: _Run, cmd: Command, r: CommandResult) -> None:
@@ -559,23 +576,48 @@ def _skip_foreign(run: _Run, fence: Fence, what: str) -> None:
 
 
 def _on_inventory(run: _Run, i: Inventoried) -> None:
+    if i.vm_id not in run.s.vms:
+        _discover(run, i)
+
+
+def _discover(run: _Run, i: Inventoried) -> None:
+    """A VM the log does not know: record it under its agent-side owner, then adopt it if it is
+    the current incarnation's only VM (after the agent inspects it), else remove it — never a
+    leak, never a second VM for a key."""
     s = run.s
-    rec = s.vms.get(i.vm_id)
-    if rec is not None:
-        return
+    run.add(Discovered(i.fence, i.vm_id, i.host))
     cur = s.cur
     if (
         cur is not None
         and cur.fence.uid == i.fence.uid
-        and cur.vm_id in (None, i.vm_id)
+        and cur.vm_id is None
         and not (cur.deleting or cur.hibernated)
+        and len(s.vms) == 1
     ):
-        if not s.vms:
-            # ours but unknown to the log (e.g. a lost tail): adopt only after the agent inspects
-            _command(run, "adopt", cur.fence, i.host, i.vm_id, cur.spec)
-            return
+        _command(run, "adopt", cur.fence, i.host, i.vm_id, cur.spec)
+        return
     run.add(Skipped("orphan", i.fence.uid, f"VM {i.vm_id} on {i.host} belongs to no live incarnation"))
     _command(run, "remove", i.fence, i.host, i.vm_id, None)
+
+
+def rebuild(state: KeyState, known_epoch: int, env: DecideEnv | None = None, reason: str = "") -> list[Decision]:
+    """Decisions for a key whose log turned out to be behind what its writer had seen (a lost
+    tail): say so, lift the epoch above any the writer knew (so no agent holds a fence as new as
+    the next incarnation's), and survey every host before any VM is made again (rule 17)."""
+    run = _Run(_copy(state), env or DecideEnv())
+    run.add(Rebuilt(reason or "log behind its writer", epoch_floor=max(known_epoch, state.epoch)))
+    _survey(run)
+    return run.out
+
+
+def _survey(run: _Run) -> None:
+    s = run.s
+    fence = Fence(s.key, s.cur.fence.uid if s.cur is not None else "", s.epoch)
+    if not run.env.hosts:
+        _arm(run, fence, "survey", PLACE_RETRY_S)
+        return
+    for host in run.env.hosts:
+        _command(run, "survey", fence, host.name, SURVEY_VM_ID, None)
 
 
 # ------------------------------------------------------------------ Kubernetes writes (rule 6)
@@ -612,6 +654,9 @@ def _on_timer(run: _Run, t: TimerFired) -> None:
     run.add(Done(t.timer_id, "fired"))
     purpose = armed.purpose
     cur = s.cur
+    if purpose == "survey":
+        _survey(run)
+        return
     if purpose.startswith("retry/"):
         _, op, vm_id = purpose.split("/", 2)
         rec = s.vms.get(vm_id)
@@ -657,7 +702,7 @@ def _hibernate(run: _Run, cur: Incarnation) -> None:
 def _wake(run: _Run, cur: Incarnation) -> None:
     """Waking restores from the snapshot in the log — never a blank VM."""
     s = run.s
-    if not cur.hibernated or cur.snapshot is None or cur.deleting or cur.spec.hibernate:
+    if not cur.hibernated or cur.snapshot is None or cur.deleting or cur.spec.hibernate or s.rebuilding:
         return
     if any(rec for rec in s.vms.values()):
         return
@@ -689,7 +734,9 @@ def _command(
     run: _Run, op: CommandOp, fence: Fence, host: str, vm_id: str, spec: Spec | None
 ) -> None:
     cmd = Command(
-        id=run.effect_id(fence.uid, fence.epoch, op, vm_id),
+        # agents dedupe by id across all keys: the uid makes it global (the key stands in for a
+        # survey, which belongs to no incarnation)
+        id=run.effect_id(fence.uid or fence.key, fence.epoch, op, vm_id),
         op=op,
         fence=fence,
         host=host,

@@ -74,6 +74,17 @@ class ConfirmedRead(msgspec.Struct, tag="confirmed", frozen=True, omit_defaults=
     v: int = SCHEMA_VERSION
 
 
+class Inventoried(msgspec.Struct, tag="inventory", frozen=True, omit_defaults=True):
+    """One VM an agent has, with the fence that owns it in the agent's ledger."""
+
+    fence: Fence
+    host: str
+    vm_id: str
+    state: str
+    round: str = ""
+    v: int = SCHEMA_VERSION
+
+
 class CommandResult(msgspec.Struct, tag="result", frozen=True, omit_defaults=True):
     """An agent's answer to one command, stored in its ledger by command id."""
 
@@ -87,6 +98,7 @@ class CommandResult(msgspec.Struct, tag="result", frozen=True, omit_defaults=Tru
     ip: str | None = None
     vnc_port: int | None = None
     snapshot: str | None = None
+    found: list[Inventoried] = []  # a survey's answer: every VM of the key on this host
     v: int = SCHEMA_VERSION
 
 
@@ -112,17 +124,6 @@ class ProbeChanged(msgspec.Struct, tag="probe", frozen=True, omit_defaults=True)
     host: str
     vm_id: str
     ready: bool
-    v: int = SCHEMA_VERSION
-
-
-class Inventoried(msgspec.Struct, tag="inventory", frozen=True, omit_defaults=True):
-    """One VM an agent has, with the fence that owns it in the agent's ledger."""
-
-    fence: Fence
-    host: str
-    vm_id: str
-    state: str
-    round: str = ""
     v: int = SCHEMA_VERSION
 
 
@@ -158,7 +159,8 @@ Input = (
 
 # ------------------------------------------------------------------------------------- commands
 
-CommandOp = Literal["create", "start", "remove", "hibernate", "wake", "adopt", "inspect"]
+CommandOp = Literal["create", "start", "remove", "hibernate", "wake", "adopt", "inspect", "survey"]
+SURVEY_VM_ID = "survey"  # a survey names no VM: it asks a host for every VM of the command's key
 
 
 class Command(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -259,6 +261,15 @@ class Adopted(msgspec.Struct, tag="adopted", frozen=True):
     command_id: str
 
 
+class Discovered(msgspec.Struct, tag="discovered", frozen=True):
+    """An agent reported a VM this log did not know (a lost tail, a crash before the log caught
+    up): it is recorded under the fence that owns it at the agent, then adopted or removed."""
+
+    fence: Fence
+    vm_id: str
+    host: str
+
+
 class Released(msgspec.Struct, tag="released", frozen=True):
     """A VM is no longer anyone's: removed, lost, or hibernated away."""
 
@@ -351,10 +362,12 @@ class Skipped(msgspec.Struct, tag="skipped", frozen=True):
 
 
 class Rebuilt(msgspec.Struct, tag="rebuilt", frozen=True):
-    """The log was found behind reality (e.g. a lost tail); state re-derived from Kubernetes and
-    agent inventories. The auditor treats what precedes it as possibly incomplete."""
+    """The log was found behind what its writer had seen (a lost tail): the state is re-derived
+    from what the log still holds, Kubernetes and agent inventories. ``epoch_floor`` is the highest
+    epoch the writer knew, so no new incarnation ever reuses an epoch an agent may still hold."""
 
     reason: str
+    epoch_floor: int = 0
 
 
 Decision = (
@@ -365,6 +378,7 @@ Decision = (
     | Commanded
     | Bound
     | Adopted
+    | Discovered
     | Released
     | DeleteClaimed
     | EvictionRequested

@@ -19,6 +19,7 @@ from shared.schema import (
     ConfirmRequested,
     Decision,
     DeleteClaimed,
+    Discovered,
     Done,
     EvictionDeferred,
     EvictionRequested,
@@ -47,7 +48,9 @@ from shared.schema import (
 # the bound keeps an often-recreated key's state small.
 TOMBSTONE_LIMIT = 64
 
-VMState = Literal["creating", "running", "exited", "removing", "hibernating", "waking", "adopting"]
+VMState = Literal[
+    "creating", "running", "exited", "removing", "hibernating", "waking", "adopting", "discovered"
+]
 
 Effect = Commanded | WriteRequested | ConfirmRequested | TimerArmed
 
@@ -96,6 +99,7 @@ class KeyState(msgspec.Struct, omit_defaults=True):
     tombstones: list[str] = msgspec.field(default_factory=list)
     vms: dict[str, VMRec] = msgspec.field(default_factory=dict)
     outbox: dict[str, Effect] = msgspec.field(default_factory=dict)
+    rebuilding: bool = False  # after a lost tail: no VM is made until every host was surveyed
 
     def is_tombstoned(self, uid: str) -> bool:
         return uid in self.tombstones
@@ -211,7 +215,14 @@ def fold(s: KeyState, d: Decision) -> KeyState:
         case TimerArmed(timer_id=tid):
             s.outbox[tid] = d
         case Done(effect_id=eid):
-            s.outbox.pop(eid, None)
+            done = s.outbox.pop(eid, None)
+            if (
+                isinstance(done, Commanded)
+                and done.command.op == "survey"
+                and d.outcome == "ok"
+                and not any(_is_survey(e) for e in s.outbox.values())
+            ):
+                s.rebuilding = False
         case Forgotten(fence=f):
             _tombstone(s, f.uid)
             if s.cur is not None and s.cur.fence.uid == f.uid:
@@ -221,9 +232,33 @@ def fold(s: KeyState, d: Decision) -> KeyState:
             for eid, eff in list(s.outbox.items()):
                 if _effect_fence(eff) == f and not isinstance(eff, Commanded):
                     del s.outbox[eid]
-        case Skipped() | Rebuilt():
+        case Rebuilt(epoch_floor=floor):
+            # Nothing the lost tail may have done is trusted: the current incarnation is fenced
+            # anew above every epoch its writer knew, its VM knowledge is dropped (the survey
+            # rediscovers what hosts really have), and commands still in flight are forgotten
+            # (agents refuse them: their epochs are below the survey's).
+            s.epoch = max(s.epoch, floor) + 1
+            s.rebuilding = True
+            s.vms.clear()
+            for eid, eff in list(s.outbox.items()):
+                if isinstance(eff, Commanded):
+                    del s.outbox[eid]
+            if s.cur is not None:
+                c = s.cur
+                c.fence = Fence(s.key, c.fence.uid, s.epoch)
+                c.vm_id, c.bound, c.ready = None, False, False
+        case Discovered(fence=f, vm_id=vm_id, host=host):
+            if vm_id not in s.vms:
+                s.vms[vm_id] = VMRec(vm_id=vm_id, host=host, fence=f, state="discovered")
+        case Skipped():
             pass
     return s
+
+
+def _is_survey(eff: Effect) -> bool:
+    return (isinstance(eff, Commanded) and eff.command.op == "survey") or (
+        isinstance(eff, TimerArmed) and eff.purpose == "survey"
+    )
 
 
 def _effect_fence(eff: Effect) -> Fence | None:

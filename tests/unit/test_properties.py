@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.cli.chaos_world import World
 from shared.schema import Spec
-from tests.unit.world import World
 
 ACTIONS = (
     "create", "create_adopt", "delete", "force_recreate", "force_delete_unobserved", "hibernate",

@@ -1,10 +1,11 @@
 """A pure, in-memory world around ``decide``: a Kubernetes object store with a lagging cache, agents
-with ledgers, and a bag of in-flight messages that a test (or hypothesis) delivers in any order, any
-number of times.
+with ledgers, and a bag of in-flight messages that a test, hypothesis or the fault campaign delivers
+in any order, any number of times — plus the faults of the campaign (reconciler crashes, a lost log
+tail, split-brain writers, lost write responses, finalizers, Kubernetes conflicts).
 
-Nothing here is vmfence's own component: this is the *environment* the policy must survive, written
-as plainly as possible so property tests can search its interleavings. Its oracle (``vms_per_key``)
-comes from the agents' own records, not from the reconciler's state.
+Nothing here is vmfence's own component but ``decide``/``fold``/``audit``: this is the *environment*
+the policy must survive, written as plainly as possible so interleavings can be searched. Its oracle
+(``max_vms_per_key``) comes from the agents' own records, not from the reconciler's state.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import itertools
 from dataclasses import dataclass, field
 
 from shared.audit import AuditReport, audit
-from shared.decide import DecideEnv, HostView, decide
+from shared.decide import DecideEnv, HostView, decide, rebuild
 from shared.schema import (
     Command,
     Commanded,
     CommandResult,
     ConfirmedRead,
     ConfirmRequested,
+    Decision,
     Fence,
     Input,
     Inventoried,
@@ -46,6 +48,7 @@ class Pod:
     rv: int
     spec: Spec
     deleting: bool = False
+    finalizer: bool = False  # a grace-0 delete leaves it terminating until the user clears it
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Agent:
     results: dict[str, CommandResult] = field(default_factory=dict)
     snapshots: dict[str, str] = field(default_factory=dict)
     removed: set[str] = field(default_factory=set)  # a removed VM id never comes back
+    marks: dict[str, int] = field(default_factory=dict)  # per key: the newest epoch commanded
 
     def execute(self, cmd: Command) -> CommandResult:
         """Measure, act on the difference, record by command id (answers redeliveries)."""
@@ -72,13 +76,20 @@ class Agent:
         vm = self.vms.get(cmd.vm_id)
         outcome = "ok"
         snapshot = None
-        if vm is not None and cmd.fence.epoch < vm.owner.epoch:
+        mark = self.marks.get(cmd.fence.key, 0)
+        if cmd.op != "remove":
+            self.marks[cmd.fence.key] = max(mark, cmd.fence.epoch)
+        if cmd.op not in ("remove", "survey") and cmd.fence.epoch < mark:
+            outcome = "fenced"  # older than a fence this host already saw for the key
+        elif vm is not None and cmd.fence.epoch < vm.owner.epoch:
             outcome = "fenced"
         elif cmd.vm_id in self.removed and cmd.op != "remove":
             outcome = "fenced"  # a create redelivered after its remove must not resurrect the VM
         elif cmd.op == "create":
             if vm is None:
                 self.vms[cmd.vm_id] = AgentVM(cmd.vm_id, cmd.fence.key, cmd.fence)
+            elif vm.owner.uid == cmd.fence.uid:
+                vm.owner = cmd.fence  # same incarnation, newer epoch (a rebuilt log): take it over
         elif cmd.op == "start":
             if vm is None:
                 outcome = "not_found"  # start re-runs an existing VM; it never makes one
@@ -102,6 +113,13 @@ class Agent:
                 snapshot = f"{self.host}:{cmd.vm_id}:{cmd.id}"
                 self.snapshots[snapshot] = cmd.vm_id
                 del self.vms[cmd.vm_id]
+        elif cmd.op == "survey":
+            found = [
+                Inventoried(v.owner, self.host, v.vm_id, "running") for v in self.vms.values() if v.key == cmd.fence.key
+            ]
+            result = CommandResult(cmd.fence, cmd.id, cmd.op, self.host, cmd.vm_id, "ok", found=found)
+            self.results[cmd.id] = result
+            return result
         elif cmd.op == "adopt":
             if vm is None:
                 outcome = "not_found"
@@ -125,8 +143,8 @@ class Msg:
 
 
 class World:
-    def __init__(self, keys: int = 2, stale_lag: int = 3) -> None:
-        self.keys = [f"default/pod-{i}.x" for i in range(keys)]
+    def __init__(self, keys: int = 2, stale_lag: int = 3, vm_keys: int = 0) -> None:
+        self.keys = [f"default/pod-{i}.x" for i in range(keys)] + [f"vm:default/db-{i}" for i in range(vm_keys)]
         self.pods: dict[str, Pod] = {}
         self.rv = itertools.count(1)
         self.uids = itertools.count(1)
@@ -138,6 +156,8 @@ class World:
         self.bag: list[Msg] = []
         self.env = DecideEnv(hosts=[HostView(h, 64, 65536) for h in HOSTS], restart_backoff_base_s=0.0)
         self.max_vms_per_key = 0
+        self.faults: dict[str, int] = {}
+        self.write_faults: list[str] = []  # queued outcomes forced on the next writes: conflict|lost
 
     # -------------------------------------------------------------- the user and Kubernetes
     def _observe(self, key: str, *, gone: bool = False) -> None:
@@ -244,13 +264,20 @@ class World:
 
     def _write(self, key: str, w: KubeWrite) -> None:
         pod = self.pods.get(key)
+        forced = self.write_faults.pop(0) if self.write_faults and w.verb != "event" else None
+        if forced == "conflict":  # 409 the gateway could not resolve within its retries
+            self.bag.append(Msg("input", key, WriteDone(w.fence, w.id, "failed", "injected 409")))
+            return
         if pod is None:
             outcome = "gone"
         elif pod.uid != w.fence.uid:
             outcome = "superseded"
         else:
             outcome = "ok"
-            if w.verb == "delete":
+            if w.verb == "delete" and pod.finalizer:
+                pod.deleting, pod.rv = True, next(self.rv)  # stuck terminating
+                self._observe(key)
+            elif w.verb == "delete":
                 del self.pods[key]
                 obs = Observed(key, pod.uid, next(self.rv), deleting=True, gone=True, spec=pod.spec)
                 self.history[key].append(obs)
@@ -260,7 +287,9 @@ class World:
             elif w.verb == "status":
                 pod.rv = next(self.rv)
                 self._observe(key)
-        if w.verb != "event":
+        if forced == "lost":  # applied on the server, response lost: the gateway reports a failure
+            self.bag.append(Msg("input", key, WriteDone(w.fence, w.id, "failed", "response lost")))
+        elif w.verb != "event":
             self.bag.append(Msg("input", key, WriteDone(w.fence, w.id, outcome)))  # type: ignore[arg-type]
 
     def _decide(self, key: str, inp: Input) -> None:
@@ -268,10 +297,96 @@ class World:
         decisions = decide(s, inp, self.env)
         if not decisions:
             return
+        self._append(key, decisions)
+        self._emit(key, list(decisions))
+
+    def _append(self, key: str, decisions: list[Decision]) -> None:
+        s = self.states[key]
         fold_all(s, decisions)
         s.n += 1
         self.log.append(LogEntry(key, s.n, decisions))
-        for d in decisions:
+
+    # ----------------------------------------------------------------- campaign faults
+    def count(self, fault: str) -> None:
+        self.faults[fault] = self.faults.get(fault, 0) + 1
+
+    def crash_reconciler(self) -> None:
+        """Lose everything in-process (pending reads, writes, timers), keep what is on the bus, and
+        restart from the log: state re-folded, outbox effects carried out again (rule 11)."""
+        self.bag = [m for m in self.bag if m.kind in ("input", "command")]
+        for key in self.keys:
+            self.states[key] = self._fold_log(key)
+            self._emit(key, list(self.states[key].outbox.values()))
+
+    def _fold_log(self, key: str, upto: int | None = None) -> KeyState:
+        s = KeyState(key=key)
+        for e in self.log:
+            if e.key == key and (upto is None or e.n <= upto):
+                fold_all(s, e.decisions)
+                s.n = e.n
+        return s
+
+    def lose_log_tail(self, key: str, k: int) -> None:
+        """The stream lost the key's last k entries (restored from an older copy). The writer's
+        next append fails its expected-sequence check; it re-reads the log (full reload), sees it
+        is behind what it knew, and says so with a Rebuilt entry carrying its epoch floor."""
+        known = self.states[key]
+        entries = [e for e in self.log if e.key == key]
+        drop = {id(e) for e in entries[-k:]} if k else set()
+        self.log = [e for e in self.log if id(e) not in drop]
+        rebuilt = self._fold_log(key)
+        self.states[key] = rebuilt
+        self.bag = [m for m in self.bag if not (m.key == key and m.kind in ("confirm", "write", "timer"))]
+        if rebuilt.n < known.n:
+            decisions = rebuild(rebuilt, known.epoch, self.env, "log tail lost")
+            self._append(key, decisions)
+            self._emit(key, list(decisions))
+            return
+        self._emit(key, list(self.states[key].outbox.values()))
+
+    def split_brain(self, key: str, back: int) -> None:
+        """A second writer with a stale copy of the key (an old snapshot) decides the next input;
+        its append carries a stale expected position, loses, and it re-reads before deciding."""
+        n = self.states[key].n
+        stale = self._fold_log(key, max(0, n - back))
+        if stale.n != n:
+            self.count("lost_race")
+        # the loser re-reads the log: what it ends up with is exactly the log's state
+        self.states[key] = self._fold_log(key)
+
+    def add_finalizer(self, key: str) -> None:
+        pod = self.pods.get(key)
+        if pod is not None:
+            pod.finalizer = True
+
+    def clear_finalizer(self, key: str) -> None:
+        """The user (or a controller) removes the finalizer of a terminating pod: it goes away."""
+        pod = self.pods.get(key)
+        if pod is not None and pod.finalizer:
+            pod.finalizer = False
+            if pod.deleting:
+                self.force_delete(key)
+
+    def relist_current(self, key: str) -> None:
+        """A relist: the object as it is now (deduplicated downstream when nothing changed)."""
+        self._observe(key)
+
+    def relist_missing(self, key: str) -> None:
+        """A watch relist that misses an object which still exists: the watcher infers it gone."""
+        pod = self.pods.get(key)
+        if pod is not None:
+            obs = Observed(key, pod.uid, next(self.rv), deleting=True, gone=True, spec=pod.spec)
+            self.bag.append(Msg("input", key, obs))
+
+    def stale_deleting(self, key: str) -> None:
+        """A stale read still showing an older uid, now with a deletionTimestamp."""
+        older = [o for o in self.history[key] if key not in self.pods or o.uid != self.pods[key].uid]
+        if older:
+            o = older[-1]
+            self.bag.append(Msg("input", key, Observed(key, o.uid, o.resource_version, deleting=True, spec=o.spec)))
+
+    def _emit(self, key: str, effects: list[object]) -> None:
+        for d in effects:
             match d:
                 case Commanded(command=cmd):
                     self.bag.append(Msg("command", key, cmd))
