@@ -204,7 +204,7 @@ def _request_confirm(run: _Run, uid: str) -> None:
     as the observation that asked for it; one read per unknown uid is enough."""
     if any(isinstance(e, ConfirmRequested) and e.seen_uid == uid for e in run.s.outbox.values()):
         return
-    run.add(ConfirmRequested(request=run.effect_id("confirm"), seen_uid=uid))
+    run.add(ConfirmRequested(request=run.effect_id("confirm"), seen_uid=uid, at=run.next_n))
 
 
 def _spec_change(run: _Run, cur: Incarnation, spec: Spec, rv: int, invalid: str | None) -> None:
@@ -237,7 +237,10 @@ def _on_confirmed(run: _Run, r: ConfirmedRead) -> None:
         run.add(Superseded(Fence(s.key, seen, 0), by_uid=r.uid))
     cur = s.cur
     if r.uid is None:
-        if cur is not None:
+        if cur is not None and asked.at < cur.admitted_at:
+            # asked before the current incarnation was admitted: absence then says nothing now
+            run.add(Skipped("stale_read", cur.fence.uid, "an older read found the name empty"))
+        elif cur is not None:
             _delete_path(run, cur, gone=True)
     elif cur is not None and cur.fence.uid == r.uid:
         if r.deleting:
@@ -352,10 +355,19 @@ def _on_result(run: _Run, r: CommandResult) -> None:
     rec = s.vms.get(cmd.vm_id)
     cur = s.cur
     if r.outcome == "fenced":
-        # the agent says this VM is not ours to touch (newer owner, or removed for good): our
-        # record of it ends here; if it still exists the agent's inventory brings it back to us
         run.add(Skipped("fenced", r.fence.uid, f"agent refused {cmd.op} of {cmd.vm_id}"))
-        if rec is not None and rec.fence == cmd.fence:
+        owner = next((i for i in r.found if i.vm_id == cmd.vm_id), None)
+        if owner is not None and owner.fence.key == s.key:
+            # the VM exists under a newer fence of this key (an adopt whose answer is still on
+            # its way, or one the log lost): it is still this key's VM, never "gone". Record its
+            # real owner; collect it under that fence unless that is the current incarnation.
+            run.add(Discovered(owner.fence, owner.vm_id, owner.host))
+            if cur is None or cur.fence != owner.fence or cur.deleting:
+                _command(run, "remove", owner.fence, owner.host, owner.vm_id, None)
+            return
+        # otherwise the VM does not exist for us (removed for good, or never made): our record of
+        # it ends here; if it does exist after all, the next inventory brings it back
+        if rec is not None and cmd.op != "survey":
             run.add(Released(rec.fence, cmd.vm_id, cmd.host, "fenced", cmd.id))
             if cur is not None and cur.fence == cmd.fence and not cur.deleting:
                 _arm(run, cur.fence, "place", EFFECT_RETRY_S)

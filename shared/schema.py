@@ -217,6 +217,7 @@ class KubeWrite(msgspec.Struct, frozen=True, omit_defaults=True):
 class ConfirmRequested(msgspec.Struct, tag="confirm_requested", frozen=True):
     request: str
     seen_uid: str
+    at: int = 0  # the log position that asked: an answer never outranks a later admission
 
 
 class Admitted(msgspec.Struct, tag="admitted", frozen=True):

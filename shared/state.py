@@ -88,6 +88,7 @@ class Incarnation(msgspec.Struct, omit_defaults=True):
     snapshot_host: str | None = None
     hibernated: bool = False
     status: PodStatusIntent | None = None  # the last status requested
+    admitted_at: int = 0  # log position of its admission
 
 
 class KeyState(msgspec.Struct, omit_defaults=True):
@@ -130,7 +131,7 @@ def fold(s: KeyState, d: Decision) -> KeyState:
         case Admitted(fence=f, spec=spec, invalid=invalid, resource_version=rv):
             s.epoch = max(s.epoch, f.epoch)
             s.admitted_rv = max(s.admitted_rv, rv)
-            s.cur = Incarnation(fence=f, spec=spec, invalid=invalid, rv=rv)
+            s.cur = Incarnation(fence=f, spec=spec, invalid=invalid, rv=rv, admitted_at=s.n + 1)
         case Superseded(fence=f):
             _tombstone(s, f.uid)
             if s.cur is not None and s.cur.fence.uid == f.uid:
@@ -248,8 +249,11 @@ def fold(s: KeyState, d: Decision) -> KeyState:
                 c.fence = Fence(s.key, c.fence.uid, s.epoch)
                 c.vm_id, c.bound, c.ready = None, False, False
         case Discovered(fence=f, vm_id=vm_id, host=host):
-            if vm_id not in s.vms:
+            rec = s.vms.get(vm_id)
+            if rec is None:
                 s.vms[vm_id] = VMRec(vm_id=vm_id, host=host, fence=f, state="discovered")
+            else:
+                rec.fence, rec.host = f, host
         case Skipped():
             pass
     return s

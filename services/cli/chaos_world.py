@@ -125,9 +125,14 @@ class Agent:
                 outcome = "not_found"
             else:
                 vm.owner = cmd.fence
+        owner = self.vms.get(cmd.vm_id)
+        found = (
+            [Inventoried(owner.owner, self.host, owner.vm_id, "running")]
+            if outcome == "fenced" and owner is not None else []
+        )
         result = CommandResult(
             cmd.fence, cmd.id, cmd.op, self.host, cmd.vm_id, outcome,  # type: ignore[arg-type]
-            ip="10.0.0.1" if outcome == "ok" and cmd.op != "remove" else None, snapshot=snapshot,
+            ip="10.0.0.1" if outcome == "ok" and cmd.op != "remove" else None, snapshot=snapshot, found=found,
         )
         self.results[cmd.id] = result
         return result
@@ -338,10 +343,7 @@ class World:
         self.states[key] = rebuilt
         self.bag = [m for m in self.bag if not (m.key == key and m.kind in ("confirm", "write", "timer"))]
         if rebuilt.n < known.n:
-            decisions = rebuild(rebuilt, known.epoch, self.env, "log tail lost")
-            self._append(key, decisions)
-            self._emit(key, list(decisions))
-            return
+            self._append(key, rebuild(rebuilt, known.epoch, self.env, "log tail lost"))
         self._emit(key, list(self.states[key].outbox.values()))
 
     def split_brain(self, key: str, back: int) -> None:
