@@ -1,0 +1,85 @@
+"""Smoke runs of `vmfence bench vm` and `vmfence bench all` as the user runs them (child processes):
+the JSON contract other tools read, never the timings (a shared CI machine makes those noise)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+VM_FIELDS = (
+    "create_p50_s", "create_p95_s", "raw_qemu_start_p50_s", "create_ratio_to_raw", "guest_boot_p50_s",
+    "hibernate_p50_s", "wake_p50_s", "rss_per_vm_mib", "count",
+)  # fmt: skip
+FIGURE_FIELDS: dict[str, tuple[str, ...]] = {
+    "decisions": ("decisions_per_s", "baseline_raw_async_publish_per_s", "ratio_to_raw_async_publish"),
+    "pods": ("to_running_s", "delete_to_zero_vms_s", "baseline_api_create_s", "baseline_api_delete_s"),
+    "replay": ("replay_file_entries_per_s", "replay_js_entries_per_s", "raw_typed_decode_entries_per_s",
+               "file_ratio_to_raw_decode"),
+    "memory": ("bytes_per_idle_key", "rss_empty_mib", "rss_loaded_mib", "python_deep_bytes_per_key"),
+    "catchup": ("ready_with_snapshot_s", "ready_without_snapshot_s", "python_import_floor_s", "raw_log_read_s"),
+}
+LOAD_FIELDS = ("to_bound_p50_s", "to_bound_p99_s", "bound_to_status_p99_s", "to_running_p99_s")
+
+
+def vmfence_json(*args: str, timeout: float) -> dict[str, Any]:
+    p = subprocess.run(
+        [sys.executable, "-m", "services.cli", *args, "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.strip().splitlines()
+    assert len(lines) == 1, p.stdout  # one JSON object, nothing else on stdout
+    out: dict[str, Any] = json.loads(lines[0])
+    return out
+
+
+def is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def test_bench_vm_sim() -> None:
+    r = vmfence_json("bench", "vm", "--runtime", "sim", "--count", "3", timeout=30)
+    for f in VM_FIELDS:
+        assert f in r, f
+    # the sim has no QEMU to compare with and boots no guest: those are null, the rest numbers
+    nullable = {"raw_qemu_start_p50_s", "create_ratio_to_raw", "guest_boot_p50_s"}
+    for f in VM_FIELDS:
+        assert is_number(r[f]) or (f in nullable and r[f] is None), (f, r[f])
+    assert r["accel"] == "sim" and r["count"] == 3
+
+
+def test_bench_all_smoke() -> None:
+    r = vmfence_json("bench", "all", "--size", "smoke", "--pods", "60", timeout=120)
+    figs = r["figures"]
+    for name, fields in FIGURE_FIELDS.items():
+        for f in fields:
+            assert is_number(figs[name].get(f)), (name, f, figs[name].get(f))
+        assert figs[name]["command"].startswith("vmfence bench all")
+        assert "target" in figs[name]
+    loads = figs["latency"]["loads"]
+    assert [x["offered_per_s"] for x in loads] == [50]
+    for f in LOAD_FIELDS:
+        assert is_number(loads[0][f]), (f, loads[0][f])
+    assert figs["replay"]["audit_clean"] is True
+    assert r["machine"]["cpus"] >= 1
+
+
+@pytest.mark.qemu
+@pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None or shutil.which("qemu-img") is None,
+                    reason="qemu-system-x86_64 / qemu-img not installed")
+def test_bench_vm_qemu() -> None:
+    r = vmfence_json("bench", "vm", "--runtime", "qemu", "--count", "2", "--guest-boots", "0", timeout=60)
+    for f in VM_FIELDS:
+        assert f in r, f
+        assert is_number(r[f]) or (f == "guest_boot_p50_s" and r[f] is None), (f, r[f])
+    assert r["accel"] in ("kvm", "tcg")
+    assert r["rss_per_vm_mib"] > 0
