@@ -528,7 +528,9 @@ class ProcessChaos:
         await asyncio.sleep(down_s)
         proc.start()
         if not await proc.wait_ready():
-            self.restart_timeouts.append(f"{victim}: not ready within {READY_TIMEOUT_S:.0f}s:\n{proc.tail(5)}")
+            how = f"exited with {proc.popen.returncode}" if proc.popen and proc.popen.poll() is not None else (
+                f"not ready within {READY_TIMEOUT_S:.0f}s")
+            self.restart_timeouts.append(f"{victim}: {how} after restart:\n{proc.tail(5)}")
         if victim == "apiserver":
             await self._apply_api_faults()  # faults are in-memory: a restart clears them
 
@@ -724,7 +726,12 @@ class ProcessChaos:
             for uid in sorted(uids - ended - {live_uid}):
                 lost.append(f"{key} uid {uid}: deleted incarnation never Superseded/Forgotten")
         violations = [f"{v.rule}: {v.key} entry {v.n}: {v.message}" for v in report.violations]
+        consumers: dict[str, int] = {}
+        with contextlib.suppress(Exception):  # leaked ephemeral consumers slow the meta layer down
+            for info in await self.bus.js.streams_info():
+                consumers[str(info.config.name)] = info.state.consumer_count
         return {
+            "consumers_by_stream": consumers,
             "pods_live": len(live),
             "vms_running": len(vms),
             "leaked_vms": len(leaked),
