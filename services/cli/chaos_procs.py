@@ -80,6 +80,9 @@ def run_chaos(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"vmfence chaos: {exc}", file=sys.stderr)
         return 1
+    except asyncio.CancelledError:
+        print("vmfence chaos: interrupted; every process it started was stopped", file=sys.stderr)
+        return 130
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:
@@ -750,6 +753,10 @@ class ProcessChaos:
 
     async def run(self) -> dict[str, Any]:
         self._t0 = time.monotonic()
+        me = asyncio.current_task()
+        if me is not None:  # SIGTERM/SIGINT still run the cleanup below (children live in own sessions)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                asyncio.get_running_loop().add_signal_handler(sig, me.cancel)
         result: dict[str, Any] = {"minutes": self.args.minutes, "runtime": self.runtime, "rng_seed": self.rng_seed}
         oracle = Oracle(self.run_dir, self.runtime)
         tasks: list[asyncio.Task[None]] = []
