@@ -353,14 +353,32 @@ class Oracle:
             await asyncio.sleep(ORACLE_PERIOD_S)
 
 
+def qemu_pids_under(run_dir: Path) -> list[int]:
+    """Every live QEMU whose command line names a path under run_dir — VMs and also the agent's
+    accel-probe QEMU (no pidfile; it survives an agent SIGKILLed mid-probe)."""
+    needle = str(run_dir.resolve()).encode() + b"/"
+    pids: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv and b"qemu-system" in os.path.basename(argv[0]) and any(needle in a for a in argv[1:]):
+            if _proc_alive(int(entry)):
+                pids.append(int(entry))
+    return pids
+
+
 def kill_leftover_qemu(run_dir: Path) -> int:
     """SIGKILL every QEMU of this run still alive (the last line of cleanup)."""
     n = 0
-    for vm in scan_qemu(run_dir):
-        if vm.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(vm.pid, signal.SIGKILL)
-                n += 1
+    for pid in qemu_pids_under(run_dir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            n += 1
     return n
 
 
@@ -493,7 +511,7 @@ class ProcessChaos:
         order = ["reconciler-1", "reconciler-2", "watcher", f"agent-{HOSTS[0]}", f"agent-{HOSTS[1]}", "apiserver"]
         await asyncio.gather(*(self.procs[n].stop() for n in order[:3] if n in self.procs))
         await asyncio.gather(*(self.procs[n].stop() for n in order[3:5] if n in self.procs))
-        left_after_agents = len(scan_qemu(self.run_dir)) if self.runtime == "qemu" else 0
+        left_after_agents = len(qemu_pids_under(self.run_dir)) if self.runtime == "qemu" else 0
         for p in self.procs.values():
             await p.stop()
         cluster = getattr(self, "cluster", None)

@@ -54,9 +54,9 @@ def _assert_invariants(result: dict[str, Any], runtime: str) -> None:
 
 
 def _no_qemu_left(run_dir: Path) -> None:
-    from services.cli.chaos_procs import scan_qemu
+    from services.cli.chaos_procs import qemu_pids_under
 
-    assert scan_qemu(run_dir) == []
+    assert qemu_pids_under(run_dir) == [], "a QEMU of this run (VM or accel probe) outlived the campaign"
 
 
 def test_process_chaos_sim_smoke(tmp_path: Path) -> None:
