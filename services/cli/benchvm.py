@@ -114,12 +114,14 @@ class RawQemu:
         return time.perf_counter() - t0
 
     async def stop(self) -> None:
+        # disconnect first, then SIGTERM: a QMP `quit` makes qemu.qmp's reader hit EOF and log
+        # an unretrieved exception
         if self.qmp is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.qmp.execute("quit"), 2)
             with contextlib.suppress(Exception):
                 await self.qmp.disconnect()
         if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.terminate()
             try:
                 await asyncio.to_thread(self.proc.wait, 3)
             except subprocess.TimeoutExpired:
