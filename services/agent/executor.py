@@ -21,6 +21,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+import msgspec
+
 from services.agent.ledger import TRANSIENT_STATES, Ledger, VMRow
 from services.agent.logs import cmd_fields, fence_fields
 from services.agent.runtime import (
@@ -31,7 +33,7 @@ from services.agent.runtime import (
     VMInfo,
     VMSpec,
 )
-from shared.schema import Command, CommandResult, Fence, Spec
+from shared.schema import Command, CommandResult, Fence, Inventoried, Spec
 
 log = logging.getLogger("vmfence.agent.executor")
 
@@ -80,6 +82,10 @@ def labels_fence(labels: dict[str, str]) -> Fence | None:
         return None
 
 
+# a remove carries the VM owner's own (possibly old) fence; surveys and inspections touch nothing
+KEY_FENCE_EXEMPT = ("remove", "survey", "inspect")
+
+
 def fence_verdict(op: str, fence: Fence, owner: Fence | None) -> str | None:
     """None if ``op`` under ``fence`` may touch a VM owned by ``owner``, else why not (rule 4)."""
     if owner is None or fence == owner:
@@ -116,8 +122,18 @@ class Executor:
             if stored is not None:
                 log.info("redelivered command answered from the ledger", extra=cmd_fields(cmd))
                 return stored, True
-            handler = getattr(self, f"_op_{cmd.op}")
-            result: CommandResult = await handler(cmd)
+            mark = self.ledger.key_mark(cmd.fence.key)
+            if cmd.op not in KEY_FENCE_EXEMPT and cmd.fence.epoch < mark:
+                # a newer fence of this key was already seen here (a successor, or a rebuilt log's
+                # survey): nothing decided under an older one may make or wake a VM
+                result: CommandResult = await self._answer(
+                    cmd, "fenced", f"fence epoch {cmd.fence.epoch} is older than epoch {mark} seen for the key"
+                )
+            else:
+                if cmd.op != "remove":
+                    await self.ledger.raise_key_mark(cmd.fence.key, cmd.fence.epoch)
+                handler = getattr(self, f"_op_{cmd.op}")
+                result = await handler(cmd)
             level = logging.INFO if result.outcome in ("ok", "not_found") else logging.WARNING
             log.log(level, "command %s: %s%s", cmd.op, result.outcome,
                     f" ({result.error})" if result.error else "",
@@ -138,8 +154,12 @@ class Executor:
 
     async def _answer(self, cmd: Command, outcome: Outcome, error: str | None = None,
                       info: VMInfo | None = None) -> CommandResult:
-        """Record a result that changes nothing in the ledger (fenced, not_found, failed...)."""
+        """Record a result that changes nothing in the ledger (fenced, not_found, failed...). A
+        fenced answer names the VM's real owner, so the reconciler never mistakes it for gone."""
         result = self._result(cmd, outcome, error=error, info=info)
+        row = self.ledger.vm(cmd.vm_id) if outcome == "fenced" else None
+        if row is not None:
+            result = msgspec.structs.replace(result, found=[Inventoried(row.fence, self.host, row.vm_id, row.state)])
         await self.ledger.record(result)
         return result
 
@@ -378,6 +398,26 @@ class Executor:
         log.info("adopted: ownership moved", extra=fence_fields(
             cmd.fence, cmd.vm_id, command_id=cmd.id, event="adopted",
             outcome=f"from epoch {row.fence.epoch if row else '?'}"))
+        return result
+
+    async def _op_survey(self, cmd: Command) -> CommandResult:
+        """Every VM of the command's key on this host (ledger and runtime), with its owner fence:
+        what a reconciler rebuilding a lost log tail needs before it makes any VM."""
+        key = cmd.fence.key
+        found: dict[str, Inventoried] = {}
+        for row in self.ledger.vms():
+            if row.fence.key == key:
+                found[row.vm_id] = Inventoried(row.fence, self.host, row.vm_id, row.state)
+        try:
+            listed = await self._timed(self.driver.list())
+        except (RuntimeFailure, TimeoutError) as e:
+            return await self._answer(cmd, "inconclusive", f"list: {e or 'timeout'}")
+        for info in listed:
+            owner = labels_fence(info.labels)
+            if info.vm_id not in found and owner is not None and owner.key == key:
+                found[info.vm_id] = Inventoried(owner, self.host, info.vm_id, info.state)
+        result = msgspec.structs.replace(self._result(cmd, "ok"), found=sorted(found.values(), key=lambda i: i.vm_id))
+        await self.ledger.record(result)
         return result
 
     async def _op_inspect(self, cmd: Command) -> CommandResult:

@@ -66,6 +66,10 @@ CREATE TABLE IF NOT EXISTS removed (
     epoch INTEGER NOT NULL,
     at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS key_marks (
+    key TEXT PRIMARY KEY,
+    epoch INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS reservations (
     kind TEXT NOT NULL,
     resource TEXT NOT NULL,
@@ -121,6 +125,7 @@ class Ledger:
     path: str
     _db: aiosqlite.Connection | None = field(default=None, init=False, repr=False)
     _vms: dict[str, VMRow] = field(default_factory=dict, init=False, repr=False)
+    _marks: dict[str, int] = field(default_factory=dict, init=False, repr=False)
     _removed: dict[str, Tombstone] = field(default_factory=dict, init=False, repr=False)
     _tx_lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
 
@@ -141,6 +146,24 @@ class Ledger:
         async with db.execute("SELECT vm_id, reason, key, uid, epoch FROM removed") as cur:
             async for vm_id, reason, key, uid, epoch in cur:
                 self._removed[vm_id] = Tombstone(vm_id, reason, Fence(key, uid, epoch))
+        async with db.execute("SELECT key, epoch FROM key_marks") as cur:
+            async for key, epoch in cur:
+                self._marks[key] = int(epoch)
+
+    def key_mark(self, key: str) -> int:
+        """The newest epoch any command for this key carried here (0: none yet)."""
+        return self._marks.get(key, 0)
+
+    async def raise_key_mark(self, key: str, epoch: int) -> None:
+        if epoch <= self._marks.get(key, 0):
+            return
+        async with self._tx() as db:
+            await db.execute(
+                "INSERT INTO key_marks(key, epoch) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET epoch=excluded.epoch "
+                "WHERE excluded.epoch > key_marks.epoch",
+                (key, epoch),
+            )
+        self._marks[key] = max(self._marks.get(key, 0), epoch)
 
     async def close(self) -> None:
         if self._db is not None:

@@ -196,7 +196,26 @@ def _check_quiescent(world: World) -> None:
                 raise AssertionError(f"{key}: VM {vm.vm_id} owned by {vm.owner.uid}, not the live pod")
 
 
-def run_campaign(seeds: int, *, seed: int | None = None, steps: int = 60, keys: int = 2) -> dict[str, Any]:
+def run_campaign(args: Any) -> int:
+    """`vmfence chaos --seeds N | --seed S [--steps K] [--keys K] [--json]`: prints the result,
+    returns the exit code (1 if any seed broke an invariant)."""
+    import json
+    import sys
+
+    steps, keys = int(getattr(args, "steps", None) or 60), int(getattr(args, "keys", None) or 2)
+    result = campaign(int(args.seeds or 0), seed=args.seed, steps=steps, keys=keys)
+    if getattr(args, "json", False):
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        print(f"{result['seeds']} seeds, {result['steps']} steps, {result['fault_kinds_reached']}/"
+              f"{result['fault_kinds']} fault kinds reached, {len(result['failures'])} failing "
+              f"({result['seconds']}s)")
+        for f in result["failures"]:
+            print(f"  seed {f['seed']}: {f['invariant']}\n    replay: {f['replay']}")
+    return 1 if result["failures"] else 0
+
+
+def campaign(seeds: int, *, seed: int | None = None, steps: int = 60, keys: int = 2) -> dict[str, Any]:
     start = time.perf_counter()
     chosen = [seed] if seed is not None else list(range(seeds))
     failures: list[dict[str, Any]] = []
@@ -209,7 +228,7 @@ def run_campaign(seeds: int, *, seed: int | None = None, steps: int = 60, keys: 
         if r.failure is not None:
             failures.append({
                 "seed": s, "invariant": r.failure,
-                "replay": f"vmfence chaos --seed {s} --steps {steps} --keys {keys} --json",
+                "replay": f"vmfence chaos --seed {s} --steps {steps} --keys {keys}",
             })
     return {
         "mode": "model",

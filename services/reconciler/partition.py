@@ -24,7 +24,7 @@ from services.reconciler.effects import EffectRunner
 from services.reconciler.snapshot import SnapshotStore
 from shared import metrics
 from shared.bus import LostRace, dead_letter, fenced_append, read_stream, read_subject
-from shared.decide import DecideEnv, decide
+from shared.decide import DecideEnv, decide, rebuild
 from shared.schema import (
     Commanded,
     ConfirmedRead,
@@ -286,7 +286,10 @@ class Partition:
                 self.stats["lost_races"] += 1
                 log.info("lost append race; re-reading key", extra={"key": key, "partition": self.p})
                 full = race.actual_last_seq is None or race.actual_last_seq < slot.last_seq
+                known = slot.state
                 await self._reload(slot, full=full)
+                if slot.state.n < known.n:
+                    await self._rebuild(slot, known)
                 continue
             finally:
                 self._inflight_floors[floor] -= 1
@@ -303,6 +306,31 @@ class Partition:
             return True
         log.error("gave up after %d lost races", MAX_RACE_RETRIES, extra={"key": key})
         return False
+
+    async def _rebuild(self, slot: KeySlot, known: KeyState) -> None:
+        """The log holds less than this writer had folded (its tail was lost, e.g. restored from an
+        older copy): say so in the log, lift the epoch above all it knew, survey every host before
+        any VM is made, and carry out what the re-read outbox still owes."""
+        key = slot.state.key
+        log.error(
+            "log of key is behind what this writer had folded (%d < %d entries): rebuilding",
+            slot.state.n, known.n, extra={"key": key, "partition": self.p},
+        )
+        metrics.POD_LIFECYCLE.labels("rebuild", "started", "log_tail_lost").inc()
+        decisions = rebuild(slot.state, known.epoch, self.env(), f"log tail lost: {known.n - slot.state.n} entries")
+        entry = LogEntry(key, slot.state.n + 1, decisions, input="rebuild", writer=self.writer)
+        try:
+            seq = await fenced_append(
+                self.js, self.subjects.log(_key(key)), encode(entry), expected_last_subject_seq=slot.last_seq,
+                msg_id=f"{key}#{entry.n}@{self.writer}", stream=self.subjects.stream_log,
+            )
+        except LostRace:
+            await self._reload(slot, full=True)
+            return
+        fold_all(slot.state, decisions)
+        slot.state.n, slot.last_seq, slot.dirty = entry.n, seq, True
+        self._max_seen = max(self._max_seen, seq)
+        self.effects.submit_all(key, list(slot.state.outbox.values()))
 
     async def _confirm_inline(self, state: KeyState, decisions: list[Decision]) -> list[Decision]:
         """Carry out a lone consistent read before appending, and append the request, its answer

@@ -286,3 +286,75 @@ def test_replay_rederives_the_writers_state_exactly() -> None:
         replayed.n = entry.n
     assert replayed == d.state
     assert audit(d.log).clean
+
+
+# ------------------------------------------------- found by the fault campaign (chaos_sim)
+
+
+def test_a_lost_log_tail_is_rebuilt_above_every_known_epoch_and_surveyed_before_any_vm() -> None:
+    from shared.decide import rebuild
+    from shared.schema import CommandResult, Discovered, Inventoried, Rebuilt
+
+    d = Driver()
+    c1 = d.run_up("u1")
+    known_epoch = d.state.epoch
+    lost = KeyState(key=KEY)  # the whole log was lost; the writer still knew epoch 1
+    d.state = lost
+    out = rebuild(lost, known_epoch, d.env, "tail lost")
+    fold_all(d.state, out)
+    d.state.n += 1
+    assert isinstance(out[0], Rebuilt) and d.state.epoch > known_epoch
+    surveys = d.commands("survey")
+    assert {s.host for s in surveys} == {"host-a", "host-b"}
+    assert all(s.fence.epoch == d.state.epoch for s in surveys)
+    # the pod is observed again before the surveys answer: admitted, but no VM is made yet
+    d.admit("u1")
+    assert d.commands("create") == [] and d.state.cur is not None and d.state.cur.fence.epoch > known_epoch
+    # host-a still runs the VM the lost tail made: it is discovered and adopted, not duplicated
+    for s in surveys:
+        found = [Inventoried(c1.fence, s.host, c1.vm_id, "running")] if s.host == c1.host else []
+        out = d.feed(CommandResult(s.fence, s.id, "survey", s.host, s.vm_id, "ok", found=found))
+    assert any(isinstance(x, Discovered) for x in d.log[-2].decisions + d.log[-1].decisions)
+    assert [c.op for c in d.commands()] == ["adopt"] and d.commands("create") == []
+
+
+def test_a_fenced_answer_naming_a_newer_owner_is_never_taken_for_a_gone_vm() -> None:
+    from shared.schema import CommandResult, Discovered, Inventoried
+
+    d = Driver()
+    c1 = d.run_up("u1")
+    d.admit("u2")
+    (remove,) = d.commands("remove")
+    newer = Fence(KEY, "u1", 5)  # a fence of this key the log does not know holds the VM
+    out = d.feed(CommandResult(remove.fence, remove.id, "remove", remove.host, remove.vm_id, "fenced",
+                               found=[Inventoried(newer, remove.host, c1.vm_id, "running")]))
+    assert of(out, Released) == [], "the VM still exists"
+    assert of(out, Discovered)[0].fence == newer
+    (again,) = [c for c in d.commands("remove")]
+    assert again.fence == newer and d.commands("create") == [], "collected under its real owner first"
+
+
+def test_an_absent_answer_to_a_read_asked_before_an_admission_deletes_nothing() -> None:
+    d = Driver()
+    d.feed(Observed(KEY, "u0", 1))
+    (old_read,) = d.pending(ConfirmRequested)
+    d.feed(Observed(KEY, "u1", 2))
+    new_read = d.pending(ConfirmRequested)[-1]
+    d.feed(ConfirmedRead(KEY, new_read.request, "u1", 2))
+    assert d.state.cur is not None and d.state.cur.fence.uid == "u1"
+    out = d.feed(ConfirmedRead(KEY, old_read.request, None))
+    assert of(out, DeleteClaimed) == [] and [s.reason for s in of(out, Skipped)] == ["stale_read"]
+
+
+def test_effect_ids_differ_across_a_rebuild_at_the_same_log_position() -> None:
+    from shared.decide import rebuild
+
+    a = Driver()
+    a.feed(Observed(KEY, "u1", 1))
+    before = a.pending(ConfirmRequested)[0].request
+    b = Driver()
+    fold_all(b.state, rebuild(b.state, 7, b.env))  # same position, but after a rebuild
+    b.state.n = 0
+    b.feed(Observed(KEY, "u1", 1))
+    after = b.pending(ConfirmRequested)[0].request
+    assert before != after
