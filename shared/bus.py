@@ -101,7 +101,7 @@ async def _on_error(exc: Exception) -> None:
 
 
 async def _on_disconnected() -> None:
-    log.warning("nats disconnected")
+    log.info("nats disconnected")  # also on every clean close; a real outage shows up as errors
 
 
 async def _on_reconnected() -> None:

@@ -37,9 +37,13 @@ class Prober:
         self.timeout = timeout
         self._kick = asyncio.Event()
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._touched: set[str] = set()
 
-    def kick(self) -> None:
-        """The ledger changed (a command finished): start/stop loops now, not at the next tick."""
+    def kick(self, vm_id: str | None = None) -> None:
+        """The ledger changed for ``vm_id`` (a command finished): start/stop its loop now, not at
+        the next full sweep. Only that VM is looked at, so a bring-up of N VMs costs O(N)."""
+        if vm_id is not None:
+            self._touched.add(vm_id)
         self._kick.set()
 
     def restart(self, vm_id: str) -> None:
@@ -48,21 +52,40 @@ class Prober:
         task = self._tasks.pop(vm_id, None)
         if task is not None:
             task.cancel()
-        self._kick.set()
+        self.kick(vm_id)
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
         async with asyncio.TaskGroup() as tg:
             try:
+                next_sweep = 0.0
                 while True:
-                    self._sync(tg)
+                    if loop.time() >= next_sweep:
+                        self._sync(tg)
+                        next_sweep = loop.time() + self.interval
+                    else:
+                        for vm_id in self._touched:
+                            self._sync_one(tg, vm_id)
+                    self._touched.clear()
                     self._kick.clear()
                     try:
-                        await asyncio.wait_for(self._kick.wait(), self.interval)
+                        await asyncio.wait_for(self._kick.wait(), max(0.0, next_sweep - loop.time()))
                     except TimeoutError:
                         pass
             finally:
                 for t in self._tasks.values():
                     t.cancel()
+
+    def _sync_one(self, tg: asyncio.TaskGroup, vm_id: str) -> None:
+        row = self.ledger.vm(vm_id)
+        task = self._tasks.get(vm_id)
+        wanted = row is not None and row.state in PROBED_STATES
+        if task is not None and (task.done() or not wanted):
+            task.cancel()
+            del self._tasks[vm_id]
+            task = None
+        if wanted and task is None:
+            self._tasks[vm_id] = tg.create_task(self._loop(vm_id), name=f"probe-{vm_id}")
 
     def _sync(self, tg: asyncio.TaskGroup) -> None:
         want = {r.vm_id for r in self.ledger.vms() if r.state in PROBED_STATES}

@@ -80,6 +80,9 @@ CANCEL_ATTEMPTS = 50  # re-cancels of a startup step that swallowed a cancel
 CANCEL_RETRY_S = 0.1
 
 
+SUBSCRIBE_ATTEMPTS = 8  # consumer creation at start, about 40 s in all
+SUBSCRIBE_BACKOFF_MAX_S = 8.0
+
 class AgentStartError(Exception):
     """The agent could not start (NATS unreachable, data dir locked...); one line for the operator."""
 
@@ -335,17 +338,22 @@ class Agent:
             max_ack_pending=cfg.max_ack_pending, deliver_policy=api.DeliverPolicy.ALL,
             max_deliver=-1,
         )
-        try:
-            await asyncio.wait_for(self.bus.js.add_consumer(self.subjects.stream_cmd, conf), NET_TIMEOUT_S)
-            return await asyncio.wait_for(
-                self.bus.js.pull_subscribe_bind(durable=durable, stream=self.subjects.stream_cmd),
-                NET_TIMEOUT_S,
-            )
-        except nats.js.errors.NotFoundError as e:
-            stream = self.subjects.stream_cmd
-            raise AgentStartError(f"stream {stream} does not exist (provision first)") from e
-        except (TimeoutError, nats.errors.Error) as e:
-            raise AgentStartError(f"cannot create consumer {durable}: {e!r}") from e
+        last: BaseException | None = None
+        for attempt in range(SUBSCRIBE_ATTEMPTS):  # a JetStream leader election answers with timeouts
+            try:
+                await asyncio.wait_for(self.bus.js.add_consumer(self.subjects.stream_cmd, conf), NET_TIMEOUT_S)
+                return await asyncio.wait_for(
+                    self.bus.js.pull_subscribe_bind(durable=durable, stream=self.subjects.stream_cmd),
+                    NET_TIMEOUT_S,
+                )
+            except nats.js.errors.NotFoundError as e:
+                stream = self.subjects.stream_cmd
+                raise AgentStartError(f"stream {stream} does not exist (provision first)") from e
+            except (TimeoutError, nats.errors.Error) as e:
+                last = e
+                log.warning("creating consumer %s failed (%r); retrying", durable, e, extra={"host": cfg.host})
+                await asyncio.sleep(min(SUBSCRIBE_BACKOFF_MAX_S, 0.5 * 2**attempt))
+        raise AgentStartError(f"cannot create consumer {durable}: {last!r}") from last
 
     # ------------------------------------------------------------------ HTTP
     async def _start_http(self) -> None:
@@ -451,7 +459,7 @@ class Agent:
         if result.outcome == "ok" and cmd.op in ("create", "start", "wake", "adopt") and not replayed:
             self.prober.restart(cmd.vm_id)
         else:
-            self.prober.kick()
+            self.prober.kick(cmd.vm_id)
         try:
             await self._report("result", result.fence, result, result.command_id)
         except (AppendFailed, nats.errors.Error, TimeoutError) as e:

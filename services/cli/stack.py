@@ -85,6 +85,7 @@ class LocalStack:
 
     def __post_init__(self) -> None:
         self.subjects = Subjects(partitions=self.partitions)
+        self.root = self.root.absolute()  # child processes run from the repository root
 
     # ------------------------------------------------------------------------- start
     async def start(self, on_status: callable = lambda name, state: None) -> None:  # type: ignore[valid-type]

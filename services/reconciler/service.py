@@ -166,12 +166,7 @@ class Reconciler:
                 await member.renew()
         except LeaseLost:
             await member.acquire()
-        members = 0
-        with contextlib.suppress(nats.js.errors.NoKeysError):
-            for k in await kv.keys():
-                if k.startswith(MEMBER_PREFIX):
-                    members += 1
-        members = max(members, 1)
+        members = max(await self._count_members(), 1)
         share = math.ceil(self.cfg.partitions / members)
         if self.cfg.max_partitions:
             share = min(share, self.cfg.max_partitions)
@@ -199,6 +194,26 @@ class Reconciler:
         metrics.PARTITIONS_OWNED.labels(self.writer).set(len(self._leases))
         if not self.ready.is_set():
             self.ready.set()
+
+    async def _count_members(self) -> int:
+        """Live member entries, from the bucket stream's per-subject counts: one API call, no
+        consumer (KeyValue.keys() leaves one consumer behind per call in nats-py 2.16)."""
+        assert self.bus is not None
+        bucket = self.subjects.kv_leases
+        info = await self.bus.js.stream_info(f"KV_{bucket}", subjects_filter=f"$KV.{bucket}.{MEMBER_PREFIX}>")
+        subjects = info.state.subjects or {}
+        # a deleted or expired member leaves a delete marker or nothing; count live values only
+        live = 0
+        for subject in subjects:
+            entry_key = subject.removeprefix(f"$KV.{bucket}.")
+            try:
+                entry = await self.bus.js.get_last_msg(f"KV_{bucket}", subject)
+            except nats.js.errors.NotFoundError:
+                continue
+            op = (entry.headers or {}).get("KV-Operation")
+            if op not in ("DEL", "PURGE") and entry_key.startswith(MEMBER_PREFIX):
+                live += 1
+        return live
 
     async def _take(self, p: int, lease: PartitionLease, tg: asyncio.TaskGroup) -> None:
         assert self.bus is not None and self.effects is not None

@@ -47,6 +47,10 @@ from .pool import DisplayPool, vnc_owner
 OPS = ("create", "start", "stop", "remove", "inspect", "list", "snapshot", "restore", "probe")
 
 
+
+HISTORY_LIMIT = 10_000  # operations kept for tests and oracles
+READ_ONLY_OPS = frozenset({"probe", "inspect", "list"})
+
 class AgentCrash(Exception):
     """Injected: the agent process 'died' right after an effect was applied, before reporting it."""
 
@@ -243,8 +247,13 @@ class SimDriver:
             raise AgentCrash(f"injected agent crash after {op} {vm_id}")
 
     def _record(self, op: str, vm_id: str | None, labels: dict[str, str] | None, outcome: str) -> None:
+        """History is the oracle's; it is bounded (HISTORY_LIMIT) and reads do not rewrite the
+        host file (a probe per VM per second would otherwise make every save slower than the last)."""
         self._host.history.append(SimOp(op, vm_id, dict(labels or {}), outcome))
-        self._save()
+        if len(self._host.history) > HISTORY_LIMIT:
+            del self._host.history[: len(self._host.history) - HISTORY_LIMIT]
+        if op not in READ_ONLY_OPS:
+            self._save()
 
     def _know(self, vm_id: str) -> None:
         if vm_id not in self._host.known:
@@ -300,6 +309,7 @@ class SimDriver:
             if vm.vnc_display is not None:
                 self._displays.claim(vm.vnc_display, self._owner(vm.spec))
         self._opened = True
+        self._save()  # the host exists on disk from the start (its oracle may be read any time)
         await self.reconcile()
 
     async def close(self) -> None:
