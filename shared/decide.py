@@ -27,9 +27,10 @@ Reading guide (the rows of the table):
     VMGone           current bound VM, no delete claim     Released + EvictionRequested (rule 7)
                      current bound VM, delete claim held   Released + EvictionDeferred
     ProbeChanged     fence not current                     Skipped(superseded | stale_effect)
-    Inventoried      unknown VM of current uid             adopt (inspect first, rule 8)
-                     unknown VM of a tombstoned uid        remove as orphan (never a leak)
-                     unknown VM of an unknown uid          ConfirmRequested (who owns the name?)
+    Inventoried      unknown VM, current uid, key VM-less   Discovered + adopt (inspect first, rule 8)
+                     any other unknown VM                  Discovered + remove (never a leak)
+    survey result    (after a lost log tail, Rebuilt)      Discovered + adopt/remove; VMs made again
+                                                           only once every host has answered
     WriteDone        superseded (Conflict/Invalid)         ConfirmRequested (rule 6)
                      gone (NotFound)                       delete path
     TimerFired       purpose                               re-check, never destroy (rule 12)
@@ -211,7 +212,8 @@ def _spec_change(run: _Run, cur: Incarnation, spec: Spec, rv: int, invalid: str 
     if spec == cur.spec and invalid == cur.invalid:
         return  # e.g. our own status write coming back: nothing changed
     if invalid is not None:
-        run.add(Skipped("invalid_spec", cur.fence.uid, invalid))
+        # the running VM keeps its last valid spec; the pod says why the change was refused
+        run.add(SpecChanged(cur.fence, cur.spec, rv, invalid))
         _event(run, cur.fence, "InvalidSpec", invalid, warning=True)
         return
     old = cur.spec

@@ -332,6 +332,7 @@ class SpecChanged(msgspec.Struct, tag="spec_changed", frozen=True):
     fence: Fence
     spec: Spec
     resource_version: int
+    invalid: str | None = None  # a change that was rejected: the spec stays, the condition shows why
 
 
 class TimerArmed(msgspec.Struct, tag="timer_armed", frozen=True):

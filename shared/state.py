@@ -210,9 +210,9 @@ def fold(s: KeyState, d: Decision) -> KeyState:
         case ReadyChanged(fence=f, ready=ready):
             if (c := _cur_for(s, f)) is not None:
                 c.ready = ready
-        case SpecChanged(fence=f, spec=spec, resource_version=rv):
+        case SpecChanged(fence=f, spec=spec, resource_version=rv, invalid=invalid):
             if (c := _cur_for(s, f)) is not None:
-                c.spec, c.rv = spec, rv
+                c.spec, c.rv, c.invalid = spec, rv, invalid
         case TimerArmed(timer_id=tid):
             s.outbox[tid] = d
         case Done(effect_id=eid):

@@ -358,3 +358,16 @@ def test_effect_ids_differ_across_a_rebuild_at_the_same_log_position() -> None:
     b.feed(Observed(KEY, "u1", 1))
     after = b.pending(ConfirmRequested)[0].request
     assert before != after
+
+
+def test_an_invalid_annotation_on_a_running_pod_shows_a_condition_and_keeps_the_vm() -> None:
+    from shared.schema import SpecChanged, WriteRequested
+
+    d = Driver()
+    d.run_up("u1")
+    out = d.feed(Observed(KEY, "u1", d.next_rv(), invalid='vmfence.io/cpus: "lots" is not an integer between 1 and 64'))
+    assert of(out, SpecChanged)[0].invalid is not None and of(out, Commanded) == []
+    writes = [w.write for w in of(out, WriteRequested)]
+    assert {w.verb for w in writes} == {"event", "status"}
+    status = next(w.status for w in writes if w.verb == "status")
+    assert status is not None and status.phase == "Running" and status.invalid and status.reason == "InvalidSpec"

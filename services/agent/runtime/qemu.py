@@ -90,6 +90,19 @@ def _boot_sector() -> bytes:
 # ---------------------------------------------------------------------------------------------
 
 
+
+def _kill_pidfile(path: str) -> None:
+    """SIGKILL the process a pidfile names, if it is still a QEMU (pids are reused)."""
+    try:
+        with open(path) as f:
+            pid = int(f.read().strip())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"qemu" not in f.read():
+                return
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+
 class _Record(msgspec.Struct):
     """spec.json: what open() needs to rediscover a VM and start() needs to relaunch it."""
 
@@ -451,6 +464,7 @@ class QemuDriver:
         if why is not None:
             return "tcg", f"kvm unusable: {why}"
         pdir = os.path.join(self.state_dir, "accel-probe")
+        _kill_pidfile(os.path.join(pdir, "probe.pid"))  # a probe left by an agent that died mid-probe
         shutil.rmtree(pdir, ignore_errors=True)
         os.makedirs(pdir)
         img = os.path.join(pdir, "boot.img")
@@ -489,7 +503,10 @@ class QemuDriver:
     async def _run_probe_vm(
         self, extra: list[str], out_file: str, needles: tuple[bytes, ...], timeout: float
     ) -> bool:
-        args = [self.qemu_binary, "-nodefaults", "-no-user-config", "-display", "none", *extra]
+        pidfile = os.path.join(os.path.dirname(out_file), "probe.pid")
+        args = [
+            self.qemu_binary, "-nodefaults", "-no-user-config", "-display", "none", "-pidfile", pidfile, *extra
+        ]
         with open(f"{out_file}.stderr", "wb") as err:
             proc = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
