@@ -11,7 +11,9 @@ import logging
 import sys
 import time
 
-CONTEXT_FIELDS = ("key", "uid", "epoch", "vm_id", "host", "command_id", "partition", "component", "seq")
+CONTEXT_FIELDS = (
+    "key", "uid", "epoch", "vm_id", "host", "command_id", "op", "outcome", "event", "partition", "component", "seq"
+)
 
 
 class JsonFormatter(logging.Formatter):
