@@ -83,6 +83,9 @@ CANCEL_RETRY_S = 0.1
 SUBSCRIBE_ATTEMPTS = 8  # consumer creation at start, about 40 s in all
 SUBSCRIBE_BACKOFF_MAX_S = 8.0
 
+START_LIMIT_S = 120.0  # the whole startup of an in-process agent (each step has its own bound)
+STOP_GRACE_S = 15.0  # beyond shutdown_timeout, for the driver, HTTP server, bus and ledger to close
+
 class AgentStartError(Exception):
     """The agent could not start (NATS unreachable, data dir locked...); one line for the operator."""
 
@@ -203,18 +206,31 @@ class Agent:
         self._task = asyncio.create_task(self.run(ready=ready), name=f"agent-{self.config.host}")
         waiter = asyncio.create_task(ready.wait())
         try:
-            await asyncio.wait({self._task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {self._task, waiter}, return_when=asyncio.FIRST_COMPLETED, timeout=START_LIMIT_S
+            )
         finally:
             waiter.cancel()
         if self._task.done():
             self._task.result()  # raises the startup error
+        if not ready.is_set():
+            await _cancel_hard(self._task)
+            raise AgentStartError(f"agent not ready within {START_LIMIT_S:g}s")
         return self
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
                         tb: TracebackType | None) -> None:
         self.stop()
         if self._task is not None:
-            await self._task
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), self.config.shutdown_timeout + STOP_GRACE_S)
+            except TimeoutError:
+                # a bounded stop: say where it hung, then cancel (never hang the caller)
+                log.error("agent did not stop in time; cancelling", extra={"host": self.config.host})
+                for task in asyncio.all_tasks():
+                    if not task.done():
+                        task.print_stack(limit=6, file=sys.stderr)
+                await _cancel_hard(self._task)
 
     async def run(self, *, ready: asyncio.Event | None = None) -> None:
         """Run until stop(); sets ``ready`` once the inventory is out and commands are consumed."""
