@@ -13,7 +13,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import nats.errors
@@ -54,12 +54,23 @@ CONFIRM_INLINE_TIMEOUT_S = 5.0
 CONSUMER_RESTART_S = 0.5
 
 
-@dataclass
+@dataclass(slots=True)
 class KeySlot:
     state: KeyState
     last_seq: int = 0  # stream sequence of the key's last log entry (0: none)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     dirty: bool = False
+    _lock: asyncio.Lock | None = None  # only while inputs of the key are in flight (memory per idle key)
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    def release_idle_lock(self) -> None:
+        lock = self._lock
+        if lock is not None and not lock.locked() and not getattr(lock, "_waiters", None):
+            self._lock = None
 
 
 def _input_kind(inp: Input) -> str:
@@ -232,6 +243,7 @@ class Partition:
             if not self.held:
                 return  # not acked: the partition's next owner gets it
             done = await self._process(slot, inp, msg)
+        slot.release_idle_lock()
         if done:
             with contextlib.suppress(nats.errors.Error):
                 await msg.ack()
@@ -244,7 +256,9 @@ class Partition:
         async with slot.lock:
             if not self.held:
                 return False
-            return await self._process(slot, inp, None)
+            done = await self._process(slot, inp, None)
+        slot.release_idle_lock()
+        return done
 
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
         log.warning("dead letter: %s", reason, extra={"partition": self.p})
