@@ -809,8 +809,14 @@ def _sync_status(run: _Run) -> None:
     if cur is None or cur.delete_claim:
         return
     if cur.phase == "Pending" and not cur.invalid and not cur.hibernated:
-        return  # nothing worth writing until the VM is up
-    want = status_of(cur)
+        if not _place_pending(run.s, cur.fence):
+            return  # nothing worth writing until the VM is up
+        # no live host fits: say so on the pod instead of leaving it silent
+        want = msgspec.structs.replace(
+            status_of(cur), reason="Unschedulable", message="no live vmfence host has room for this VM"
+        )
+    else:
+        want = status_of(cur)
     if cur.status == want:
         return
     run.add(WriteRequested(KubeWrite(run.effect_id("status"), "status", cur.fence, status=want)))

@@ -163,8 +163,9 @@ def _pod_conditions(cur: JSON, intent: PodStatusIntent) -> list[JSON]:
     running = intent.phase == "Running" and not intent.hibernated
     ready = intent.ready and running
     done = intent.phase in ("Succeeded", "Failed")
-    placed = intent.host is not None or intent.phase != "Pending"
-    created = intent.vm_id is not None or intent.phase != "Pending"
+    # a pod refused for an invalid spec never had a host or a VM, whatever its phase says
+    placed = intent.host is not None or (intent.phase != "Pending" and not intent.invalid)
+    created = intent.vm_id is not None or (intent.phase != "Pending" and not intent.invalid)
     not_ready_reason = "PodCompleted" if done else ("Hibernated" if intent.hibernated else "ContainersNotReady")
     ours = [
         _condition(cur_by_type, "PodScheduled", placed, "Placed" if placed else "WaitingForHost"),

@@ -268,6 +268,8 @@ def test_rule12_timers_only_trigger_rechecks() -> None:
     d = Driver(env=DecideEnv(hosts=()))  # no host fits: placement waits on a timer
     out = d.admit("u1")
     assert [s.reason for s in of(out, Skipped)] == ["no_host"]
+    (pending,) = d.writes("status")
+    assert pending.write.status is not None and pending.write.status.reason == "Unschedulable"
     (timer,) = d.timers()
     out = d.feed(TimerFired(timer.fence, timer.timer_id))
     assert of(out, Commanded) == [] and of(out, Failed) == [], "a timer re-checks, never destroys"
