@@ -51,6 +51,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p = sub.add_parser("chaos", help="fault campaigns: --processes (real processes) or --seeds (deterministic)")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--processes", action="store_true", help="real processes, SIGKILLs, an OS-level oracle")
+    p.add_argument("--stack", action="store_true",
+                   help="with --seeds/--seed: seeded workload and faults against the real in-process stack")
     mode.add_argument("--seeds", type=int, metavar="N", help="deterministic campaign over N seeds (chaos_sim)")
     mode.add_argument("--seed", type=int, metavar="S", help="deterministic campaign, one seed (chaos_sim)")
     p.add_argument("--steps", type=int, default=None, help="(--seeds/--seed) steps per seed")
@@ -92,8 +94,22 @@ def run_chaos(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def _run_stack_campaign(args: argparse.Namespace) -> int:
+    from services.cli.chaos_stack import run_stack_campaign
+    from services.cli.main import _run_async
+
+    seeds = 1 if args.seed is not None else int(args.seeds or 0)
+    first = args.seed if args.seed is not None else 0
+    steps = int(getattr(args, "steps", None) or 25)
+    result = _run_async(run_stack_campaign(seeds, first, steps, root=args.dir + "-stack"))
+    sys.stdout.write(json.dumps(result) + "\n")
+    return 1 if result["failures"] or result["violations"] else 0
+
+
 def _run_sim_campaign(args: argparse.Namespace) -> int:
     """The deterministic campaign lives in another module, possibly not written yet."""
+    if getattr(args, "stack", False):
+        return _run_stack_campaign(args)
     try:
         from services.cli import chaos_sim  # type: ignore[attr-defined]
     except ImportError:

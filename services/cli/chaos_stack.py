@@ -1,0 +1,224 @@
+"""`vmfence chaos --stack --seeds N`: the seeded campaign against the real in-process components.
+
+One seed determines the workload and the fault schedule (not the thread/process interleaving, which
+the OS and the network decide): same-name recreates, deletes, hibernate/wake, with faults injected
+where the real components meet the world — the development API server's lagging cache, injected
+409s on status writes, lost responses on deletes, dropped watches; the sim runtime crashing or
+losing VMs and delaying creates; a reconciler SIGKILLed and restarted. All seeds share one stack
+(embedded NATS, API server, watcher, two reconciler processes, two sim agents); each seed uses its own
+pod names. Oracles: the agents' runtime records sampled every 20 ms (never two VMs for one key);
+after each seed's faults stop, every live pod Running with exactly one VM owned by it, no VM for a
+deleted pod; at the end, the audit of the whole log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from services.cli.logcmds import audit_records
+from services.cli.stack import LocalStack
+from shared.decisions import read_log
+
+NS = "default"
+SETTLE_S = 60.0
+
+
+class _Oracle:
+    def __init__(self, stack: LocalStack) -> None:
+        self.stack = stack
+        self.max_per_key = 0
+        self.worst: tuple[str, list[str]] | None = None
+
+    async def vms(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for agent in list(self.stack.agents.values()):
+            for info in await agent.driver.list():
+                if info.state in ("running", "paused", "creating"):
+                    out.setdefault(info.labels.get("vmfence.io/key", "?"), []).append(info.vm_id)
+        return out
+
+    async def run(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                for key, ids in (await self.vms()).items():
+                    if len(ids) > self.max_per_key:
+                        self.max_per_key, self.worst = len(ids), (key, ids)
+            await asyncio.sleep(0.02)
+
+
+def _pod(name: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "labels": {"vmfence.io/managed": "true"}, "annotations": annotations or {}},
+        "spec": {"containers": [{"name": "main", "image": "vm"}]},
+    }
+
+
+async def _seed(
+    stack: LocalStack, core: client.CoreV1Api, seed: int, steps: int, faults: dict[str, int]
+) -> str | None:
+    rng = random.Random(seed)
+    names = [f"s{seed}-p{i}.x" for i in range(3)]
+    live: dict[str, bool] = {}  # name -> hibernate wanted
+    api = stack.apiserver
+    assert api is not None
+
+    def hit(kind: str) -> None:
+        faults[kind] = faults.get(kind, 0) + 1
+
+    for _ in range(steps):
+        name = rng.choice(names)
+        roll = rng.random()
+        with contextlib.suppress(ApiException):
+            if roll < 0.25 or name not in live:
+                if name in live:
+                    await core.delete_namespaced_pod(name, NS, grace_period_seconds=0)
+                    hit("recreate")
+                ann = {"vmfence.io/on-recreate": rng.choice(["replace", "adopt"])}
+                await core.create_namespaced_pod(NS, _pod(name, ann))
+                live[name] = False
+            elif roll < 0.35:
+                await core.delete_namespaced_pod(name, NS)
+                live.pop(name, None)
+                hit("delete")
+            elif roll < 0.45:
+                want = not live[name]
+                await core.patch_namespaced_pod(
+                    name, NS, {"metadata": {"annotations": {"vmfence.io/hibernate": str(want).lower()}}}
+                )
+                live[name] = want
+                hit("hibernate" if want else "wake")
+            elif roll < 0.55:
+                api.faults.set_stale(events=rng.randrange(1, 6))
+                hit("stale_reads")
+            elif roll < 0.62:
+                api.faults.inject_error("patch", "pods/status", 409, count=rng.randrange(1, 3))
+                hit("conflict_on_status")
+            elif roll < 0.67:
+                api.faults.lose_response("delete", "pods", count=1)
+                hit("delete_response_lost")
+            elif roll < 0.72:
+                api.faults.drop_watches()
+                hit("watch_dropped")
+            elif roll < 0.82:
+                agent = stack.agents[rng.choice(sorted(stack.agents))]
+                vms = [v for v in await agent.driver.list() if v.labels.get("vmfence.io/key") == f"{NS}/{name}"]
+                if vms and vms[0].state == "running":
+                    if rng.random() < 0.5:
+                        agent.driver.crash_vm(vms[0].vm_id, exit_code=1)  # type: ignore[attr-defined]
+                        hit("vm_crash")
+                    else:
+                        agent.driver.lose_vm(vms[0].vm_id)  # type: ignore[attr-defined]
+                        await agent.driver.reconcile()  # type: ignore[attr-defined]
+                        hit("vm_lost")
+            elif roll < 0.86:
+                victim = rng.choice(sorted(stack.recs))
+                stack.kill_reconciler(victim)
+                stack.start_reconciler(victim)
+                hit("reconciler_sigkill")
+            await asyncio.sleep(rng.random() * 0.05)
+    api.faults.set_stale(events=0)
+    # quiescence for this seed's pods: each live pod Running/hibernated with its VM, none for the dead
+    for name in list(stack.recs):
+        await stack.wait_reconciler_ready(name)
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        problem = await _check(stack, core, names)
+        if problem is None:
+            return None
+        if time.monotonic() > deadline:
+            return problem
+        await asyncio.sleep(0.2)
+
+
+async def _check(stack: LocalStack, core: client.CoreV1Api, names: list[str]) -> str | None:
+    vms: dict[str, list[Any]] = {}
+    for agent in stack.agents.values():
+        for info in await agent.driver.list():
+            if info.state in ("running", "paused", "creating"):
+                vms.setdefault(info.labels.get("vmfence.io/key", "?"), []).append(info)
+    for name in names:
+        key = f"{NS}/{name}"
+        try:
+            pod = await core.read_namespaced_pod(name, NS)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            pod = None
+        have = vms.get(key, [])
+        if pod is None:
+            if have:
+                return f"{key}: {len(have)} VM(s) for a deleted pod"
+            continue
+        if pod.metadata.deletion_timestamp is not None:
+            return f"{key}: still terminating"
+        hib = (pod.metadata.annotations or {}).get("vmfence.io/hibernate") == "true"
+        conds = {c.type: c.status for c in (pod.status.conditions or [])} if pod.status else {}
+        if hib:
+            if have or conds.get("vmfence.io/Hibernated") != "True":
+                return f"{key}: not hibernated ({len(have)} VMs)"
+            continue
+        if len(have) != 1 or conds.get("Ready") != "True":
+            return f"{key}: {len(have)} VM(s), Ready={conds.get('Ready')}"
+        if have[0].labels.get("vmfence.io/uid") != pod.metadata.uid and pod.metadata.annotations.get(
+            "vmfence.io/on-recreate"
+        ) != "adopt":
+            return f"{key}: VM {have[0].vm_id} was made for another incarnation"
+    return None
+
+
+async def _log_tail(stack: LocalStack, problem: str, n: int = 8) -> list[str]:
+    """The key's last entries, to read a failure without a rerun (interleavings do not replay)."""
+    from services.cli.logcmds import describe
+
+    assert stack.bus is not None
+    key = problem.split(":")[0]
+    entries = [r.entry async for r in read_log(stack.bus.js, stack.bus.subjects) if r.entry.key == key]
+    return [f"#{e.n} " + ", ".join(describe(d) for d in e.decisions) for e in entries[-n:]]
+
+
+async def run_stack_campaign(
+    seeds: int, first: int = 0, steps: int = 25, root: str = ".vmfence/chaos-stack"
+) -> dict[str, Any]:
+    start = time.perf_counter()
+    stack = LocalStack(Path(root), runtime="sim", partitions=4, restart_backoff_s=0.2, host_stale_s=5.0)
+    await stack.start()
+    oracle = _Oracle(stack)
+    watch = asyncio.create_task(oracle.run())
+    faults: dict[str, int] = {}
+    failures: list[dict[str, Any]] = []
+    try:
+        assert stack.api is not None
+        core = client.CoreV1Api(stack.api)
+        for seed in range(first, first + seeds):
+            problem = await _seed(stack, core, seed, steps, faults)
+            if problem is not None:
+                failures.append({"seed": seed, "invariant": problem, "log_tail": await _log_tail(stack, problem),
+                                 "replay": f"vmfence chaos --stack --seed {seed} --steps {steps}"})
+        assert stack.bus is not None
+        report = audit_records([r async for r in read_log(stack.bus.js, stack.bus.subjects)], final=False)
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+        await stack.stop()
+    if oracle.max_per_key > 1:
+        failures.append({"seed": None, "invariant": f"two VMs for one key at once: {oracle.worst}"})
+    return {
+        "mode": "stack",
+        "seeds": seeds,
+        "failures": failures,
+        "steps": seeds * steps,
+        "faults_injected": dict(sorted(faults.items())),
+        "max_vms_per_key": oracle.max_per_key,
+        "violations": [f"{v.rule} {v.key}#{v.n}: {v.message}" for v in report.violations],
+        "decisions": report.decisions,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
