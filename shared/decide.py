@@ -412,7 +412,12 @@ def _on_result(run: _Run, r: CommandResult) -> None:
                 if cur is not None and cur.fence == cmd.fence and not cur.deleting:
                     run.add(Bound(cur.fence, cmd.vm_id, cmd.host, cmd.id, r.ip, r.vnc_port))
                     _event(run, cur.fence, "Adopted", f"VM {cmd.vm_id} on {cmd.host}")
-                    if cur.spec.hibernate:
+                    state = next((i.state for i in r.found if i.vm_id == cmd.vm_id), "running")
+                    if state == "exited":
+                        # adopted while it was down (its predecessor's restart died with that
+                        # fence): the successor's restart policy takes over, or it stays down forever
+                        _on_exited(run, VMExited(cur.fence, cmd.host, cmd.vm_id, None))
+                    elif cur.spec.hibernate:
                         _hibernate(run, cur)
                 else:
                     _command(run, "remove", cmd.fence, cmd.host, cmd.vm_id, None)

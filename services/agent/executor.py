@@ -392,7 +392,10 @@ class Executor:
             return await self._answer(cmd, "fenced", why)
         base = row or VMRow(vm_id=cmd.vm_id, fence=cmd.fence, state=info.state, spec=cmd.spec)
         new = self._row(base, info, fence=cmd.fence, command_id=cmd.id)
-        result = self._result(cmd, "ok", info=info)
+        # the adopter learns the VM's run state: an exited VM needs its restart policy applied
+        result = msgspec.structs.replace(
+            self._result(cmd, "ok", info=info), found=[Inventoried(cmd.fence, self.host, cmd.vm_id, info.state)]
+        )
         await self.ledger.record(result, put=new, transfer_to=cmd.fence,
                                  claim=self._claims(info) if row is None else ())
         log.info("adopted: ownership moved", extra=fence_fields(

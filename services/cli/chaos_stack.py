@@ -181,7 +181,20 @@ async def _log_tail(stack: LocalStack, problem: str, n: int = 8) -> list[str]:
     assert stack.bus is not None
     key = problem.split(":")[0]
     entries = [r.entry async for r in read_log(stack.bus.js, stack.bus.subjects) if r.entry.key == key]
-    return [f"#{e.n} " + ", ".join(describe(d) for d in e.decisions) for e in entries[-n:]]
+    lines = [f"#{e.n} " + ", ".join(describe(d) for d in e.decisions) for e in entries[-n:]]
+    # what the watcher published for the key (uid:resourceVersion, g = gone), and the pod now
+    from shared.bus import read_stream
+    from shared.schema import Observed, decode_input
+    from shared.subjects import Key
+
+    subject = stack.bus.subjects.observation(Key.parse(key))
+    seen = []
+    async for m in read_stream(stack.bus.js, stack.bus.subjects.stream_in, subject):
+        o = decode_input(m.data)
+        if isinstance(o, Observed):
+            seen.append(f"{o.uid[:8]}:{o.resource_version}{'g' if o.gone else ''}{'d' if o.deleting else ''}")
+    lines.append("observed: " + " ".join(seen[-12:]))
+    return lines
 
 
 async def run_stack_campaign(

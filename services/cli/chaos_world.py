@@ -126,10 +126,9 @@ class Agent:
             else:
                 vm.owner = cmd.fence
         owner = self.vms.get(cmd.vm_id)
-        found = (
-            [Inventoried(owner.owner, self.host, owner.vm_id, "running")]
-            if outcome == "fenced" and owner is not None else []
-        )
+        found = []
+        if owner is not None and (outcome == "fenced" or (cmd.op == "adopt" and outcome == "ok")):
+            found = [Inventoried(owner.owner, self.host, owner.vm_id, "running" if owner.running else "exited")]
         result = CommandResult(
             cmd.fence, cmd.id, cmd.op, self.host, cmd.vm_id, outcome,  # type: ignore[arg-type]
             ip="10.0.0.1" if outcome == "ok" and cmd.op != "remove" else None, snapshot=snapshot, found=found,

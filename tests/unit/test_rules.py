@@ -373,3 +373,19 @@ def test_an_invalid_annotation_on_a_running_pod_shows_a_condition_and_keeps_the_
     assert {w.verb for w in writes} == {"event", "status"}
     status = next(w.status for w in writes if w.verb == "status")
     assert status is not None and status.phase == "Running" and status.invalid and status.reason == "InvalidSpec"
+
+
+def test_a_vm_adopted_while_it_was_down_is_restarted_under_the_new_fence() -> None:
+    from shared.schema import CommandResult, Inventoried
+
+    d = Driver()
+    c1 = d.run_up("u1")
+    d.feed(VMExited(c1.fence, c1.host, c1.vm_id, 1))  # down, its restart timer armed for u1
+    d.admit("u2", Spec(on_recreate="adopt"))
+    (adopt,) = d.commands("adopt")
+    out = d.feed(CommandResult(adopt.fence, adopt.id, "adopt", adopt.host, adopt.vm_id, "ok",
+                               found=[Inventoried(adopt.fence, adopt.host, adopt.vm_id, "exited")]))
+    assert of(out, Bound) and of(out, Restarting), "the successor's restart policy applies"
+    (timer,) = [t for t in d.timers() if t.fence == adopt.fence]
+    out = d.feed(TimerFired(timer.fence, timer.timer_id))
+    assert [c.command.op for c in of(out, Commanded)] == ["start"]
