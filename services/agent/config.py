@@ -170,7 +170,7 @@ _FLOAT = {"inventory_interval", "heartbeat_interval", "probe_interval", "probe_t
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="vmfence agent", description="vmfence per-host agent (the only place VMs are touched)")
     a = p.add_argument
-    a("--nats-url", help="NATS server URL(s), comma separated [VMFENCE_NATS_URL]")
+    a("--nats-url", "--nats", dest="nats_url", help="NATS server URL(s), comma separated [VMFENCE_NATS_URL]")
     a("--host", help="this host's name (one subject token) [VMFENCE_HOST, default: hostname]")
     a("--runtime", help="qemu | sim [VMFENCE_RUNTIME, default sim]")
     a("--data-dir", help="ledger and runtime state [VMFENCE_DATA_DIR, default .vmfence/agent]")
