@@ -54,3 +54,16 @@ def test_cli_prints_json_and_exit_code() -> None:
     for field in ("seeds", "failures", "steps", "faults_injected"):
         assert field in result
     assert result["seeds"] == 40
+
+
+def test_stack_campaign_smoke_on_the_real_components(tmp_path: Path) -> None:
+    """Two seeds of the real-stack campaign (seeded workload and faults against the in-process
+    stack): no two VMs for a key, each seed quiesces correctly, a clean audit."""
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "chaos", "--stack", "--seeds", "2", "--dir", str(tmp_path / "c")],
+        capture_output=True, text=True, cwd=ROOT, timeout=180,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["max_vms_per_key"] <= 1 and result["violations"] == [], result
+    assert result["failures"] == [], result["failures"]
+    assert out.returncode == 0
