@@ -21,8 +21,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-import msgspec
-
 from services.agent.ledger import TRANSIENT_STATES, Ledger, VMRow
 from services.agent.logs import cmd_fields, fence_fields
 from services.agent.runtime import (
@@ -142,7 +140,8 @@ class Executor:
 
     # ------------------------------------------------------------------ helpers
     def _result(self, cmd: Command, outcome: Outcome, *, error: str | None = None,
-                info: VMInfo | None = None, snapshot: str | None = None) -> CommandResult:
+                info: VMInfo | None = None, snapshot: str | None = None,
+                found: list[Inventoried] | None = None) -> CommandResult:
         vnc_port = None
         if info is not None and info.vnc_display is not None:
             vnc_port = DisplayPool.BASE_PORT + info.vnc_display
@@ -150,16 +149,16 @@ class Executor:
             fence=cmd.fence, command_id=cmd.id, op=cmd.op, host=self.host, vm_id=cmd.vm_id,
             outcome=outcome,  # type: ignore[arg-type]
             error=error, ip=info.ip if info else None, vnc_port=vnc_port, snapshot=snapshot,
+            found=found or [],
         )
 
     async def _answer(self, cmd: Command, outcome: Outcome, error: str | None = None,
                       info: VMInfo | None = None) -> CommandResult:
         """Record a result that changes nothing in the ledger (fenced, not_found, failed...). A
         fenced answer names the VM's real owner, so the reconciler never mistakes it for gone."""
-        result = self._result(cmd, outcome, error=error, info=info)
         row = self.ledger.vm(cmd.vm_id) if outcome == "fenced" else None
-        if row is not None:
-            result = msgspec.structs.replace(result, found=[Inventoried(row.fence, self.host, row.vm_id, row.state)])
+        found = [Inventoried(row.fence, self.host, row.vm_id, row.state)] if row is not None else None
+        result = self._result(cmd, outcome, error=error, info=info, found=found)
         await self.ledger.record(result)
         return result
 
@@ -393,9 +392,7 @@ class Executor:
         base = row or VMRow(vm_id=cmd.vm_id, fence=cmd.fence, state=info.state, spec=cmd.spec)
         new = self._row(base, info, fence=cmd.fence, command_id=cmd.id)
         # the adopter learns the VM's run state: an exited VM needs its restart policy applied
-        result = msgspec.structs.replace(
-            self._result(cmd, "ok", info=info), found=[Inventoried(cmd.fence, self.host, cmd.vm_id, info.state)]
-        )
+        result = self._result(cmd, "ok", info=info, found=[Inventoried(cmd.fence, self.host, cmd.vm_id, info.state)])
         await self.ledger.record(result, put=new, transfer_to=cmd.fence,
                                  claim=self._claims(info) if row is None else ())
         log.info("adopted: ownership moved", extra=fence_fields(
@@ -419,7 +416,7 @@ class Executor:
             owner = labels_fence(info.labels)
             if info.vm_id not in found and owner is not None and owner.key == key:
                 found[info.vm_id] = Inventoried(owner, self.host, info.vm_id, info.state)
-        result = msgspec.structs.replace(self._result(cmd, "ok"), found=sorted(found.values(), key=lambda i: i.vm_id))
+        result = self._result(cmd, "ok", found=sorted(found.values(), key=lambda i: i.vm_id))
         await self.ledger.record(result)
         return result
 
