@@ -424,8 +424,6 @@ def _on_result(run: _Run, r: CommandResult) -> None:
             else:
                 run.add(Released(rec.fence, cmd.vm_id, cmd.host, "lost", cmd.id))
                 _after_release(run)
-        case "inspect":
-            pass
         case "survey":
             if r.outcome == "ok":
                 for item in r.found:
@@ -704,8 +702,6 @@ def _on_timer(run: _Run, t: TimerFired) -> None:
         _finish_delete(run, cur)
     elif purpose == "rewrite/evict" and cur.evicting and not cur.delete_claim:
         run.add(WriteRequested(KubeWrite(run.effect_id("evict"), "evict", cur.fence, message="VM gone")))
-    elif purpose == "confirm":
-        _request_confirm(run, cur.fence.uid)
 
 
 # ------------------------------------------------------------------- hibernation (rule 10)
