@@ -403,7 +403,7 @@ Decision = (
 class LogEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     """One append to a key's log: everything one input decided, atomically.
 
-    ``n`` counts entries of this key from 1 with no gap; the Msg-Id is ``<key>#<n>`` so a benign
+    ``n`` counts entries of this key from 1 with no gap; the Msg-Id is ``<key>#<n>@<writer>`` so a benign
     retry of the same append is recognised.
     """
 
@@ -464,8 +464,10 @@ def decode_command(data: bytes) -> Command:
     return _command_decoder.decode(data)
 
 
-def entry_msg_id(key: str, n: int) -> str:
-    return f"{key}#{n}"
+def entry_msg_id(key: str, n: int, writer: str) -> str:
+    """The Msg-Id of a key's n-th entry as one writer appends it: a retry of the same append is
+    recognised, a competing writer's entry at the same position never is."""
+    return f"{key}#{n}@{writer}"
 
 
 def decision_name(d: Decision) -> str:

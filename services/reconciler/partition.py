@@ -41,6 +41,7 @@ from shared.schema import (
     decode_entry,
     decode_input,
     encode,
+    entry_msg_id,
 )
 from shared.state import Effect, KeyState, decode_state, encode_state, fold_all
 from shared.subjects import Key, Subjects
@@ -280,21 +281,10 @@ class Partition:
                 metrics.INPUTS.labels(kind, "dropped").inc()
                 self.stats["dropped"] += 1
                 return True
-            entry = LogEntry(key, slot.state.n + 1, decisions, input=kind, writer=self.writer)
-            floor = self._max_seen
-            self._inflight_floors[floor] += 1
-            start = time.perf_counter()
+            if not self.held:
+                return False
             try:
-                if not self.held:
-                    return False
-                seq = await fenced_append(
-                    self.js,
-                    self.subjects.log(_key(key)),
-                    encode(entry),
-                    expected_last_subject_seq=slot.last_seq,
-                    msg_id=f"{key}#{entry.n}@{self.writer}",
-                    stream=self.subjects.stream_log,
-                )
+                await self._append(slot, decisions, kind)
             except LostRace as race:
                 metrics.LOST_RACES.inc()
                 self.stats["lost_races"] += 1
@@ -305,14 +295,6 @@ class Partition:
                 if slot.state.n < known.n:
                     await self._rebuild(slot, known)
                 continue
-            finally:
-                self._inflight_floors[floor] -= 1
-                if self._inflight_floors[floor] <= 0:
-                    del self._inflight_floors[floor]
-            metrics.APPEND_SECONDS.observe(time.perf_counter() - start)
-            fold_all(slot.state, decisions)
-            slot.state.n, slot.last_seq, slot.dirty = entry.n, seq, True
-            self._max_seen = max(self._max_seen, seq)
             metrics.INPUTS.labels(kind, "decided").inc()
             self.stats["entries"] += 1
             self.stats["decisions"] += len(decisions)
@@ -320,6 +302,32 @@ class Partition:
             return True
         log.error("gave up after %d lost races", MAX_RACE_RETRIES, extra={"key": key})
         return False
+
+    async def _append(self, slot: KeySlot, decisions: list[Decision], kind: str) -> None:
+        """One fenced append of the key's next entry, then fold it (LostRace: nothing changed).
+        While it is in flight its floor holds the snapshot watermark below its sequence."""
+        key = slot.state.key
+        entry = LogEntry(key, slot.state.n + 1, decisions, input=kind, writer=self.writer)
+        floor = self._max_seen
+        self._inflight_floors[floor] += 1
+        start = time.perf_counter()
+        try:
+            seq = await fenced_append(
+                self.js,
+                self.subjects.log(_key(key)),
+                encode(entry),
+                expected_last_subject_seq=slot.last_seq,
+                msg_id=entry_msg_id(key, entry.n, self.writer),
+                stream=self.subjects.stream_log,
+            )
+        finally:
+            self._inflight_floors[floor] -= 1
+            if self._inflight_floors[floor] <= 0:
+                del self._inflight_floors[floor]
+        metrics.APPEND_SECONDS.observe(time.perf_counter() - start)
+        fold_all(slot.state, decisions)
+        slot.state.n, slot.last_seq, slot.dirty = entry.n, seq, True
+        self._max_seen = max(self._max_seen, seq)
 
     async def _rebuild(self, slot: KeySlot, known: KeyState) -> None:
         """The log holds less than this writer had folded (its tail was lost, e.g. restored from an
@@ -332,18 +340,11 @@ class Partition:
         )
         metrics.POD_LIFECYCLE.labels("rebuild", "started", "log_tail_lost").inc()
         decisions = rebuild(slot.state, known.epoch, self.env(), f"log tail lost: {known.n - slot.state.n} entries")
-        entry = LogEntry(key, slot.state.n + 1, decisions, input="rebuild", writer=self.writer)
         try:
-            seq = await fenced_append(
-                self.js, self.subjects.log(_key(key)), encode(entry), expected_last_subject_seq=slot.last_seq,
-                msg_id=f"{key}#{entry.n}@{self.writer}", stream=self.subjects.stream_log,
-            )
+            await self._append(slot, decisions, "rebuild")
         except LostRace:
             await self._reload(slot, full=True)
             return
-        fold_all(slot.state, decisions)
-        slot.state.n, slot.last_seq, slot.dirty = entry.n, seq, True
-        self._max_seen = max(self._max_seen, seq)
         self.effects.submit_all(key, list(slot.state.outbox.values()))
 
     async def _confirm_inline(self, state: KeyState, decisions: list[Decision]) -> list[Decision]:
