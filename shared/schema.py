@@ -8,6 +8,7 @@ can refuse what it does not understand instead of misreading it.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Literal
 
 import msgspec
@@ -403,8 +404,8 @@ Decision = (
 class LogEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     """One append to a key's log: everything one input decided, atomically.
 
-    ``n`` counts entries of this key from 1 with no gap; the Msg-Id is ``<key>#<n>@<writer>`` so a benign
-    retry of the same append is recognised.
+    ``n`` counts entries of this key from 1 with no gap; the Msg-Id is ``<key>#<n>@<writer>:<digest>`` (see
+    entry_msg_id) so a benign retry of the same append is recognised.
     """
 
     key: str
@@ -464,10 +465,10 @@ def decode_command(data: bytes) -> Command:
     return _command_decoder.decode(data)
 
 
-def entry_msg_id(key: str, n: int, writer: str) -> str:
-    """The Msg-Id of a key's n-th entry as one writer appends it: a retry of the same append is
-    recognised, a competing writer's entry at the same position never is."""
-    return f"{key}#{n}@{writer}"
+def entry_msg_id(key: str, n: int, writer: str, payload: bytes) -> str:
+    """The Msg-Id of a key's n-th entry: a retry of the same append (same bytes) is recognised; a
+    competing writer's entry, or a different entry at a position a lost tail freed, never is."""
+    return f"{key}#{n}@{writer}:{hashlib.blake2b(payload, digest_size=8).hexdigest()}"
 
 
 def decision_name(d: Decision) -> str:

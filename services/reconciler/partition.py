@@ -308,6 +308,7 @@ class Partition:
         While it is in flight its floor holds the snapshot watermark below its sequence."""
         key = slot.state.key
         entry = LogEntry(key, slot.state.n + 1, decisions, input=kind, writer=self.writer)
+        payload = encode(entry)
         floor = self._max_seen
         self._inflight_floors[floor] += 1
         start = time.perf_counter()
@@ -315,9 +316,9 @@ class Partition:
             seq = await fenced_append(
                 self.js,
                 self.subjects.log(_key(key)),
-                encode(entry),
+                payload,
                 expected_last_subject_seq=slot.last_seq,
-                msg_id=entry_msg_id(key, entry.n, self.writer),
+                msg_id=entry_msg_id(key, entry.n, self.writer, payload),
                 stream=self.subjects.stream_log,
             )
         finally:

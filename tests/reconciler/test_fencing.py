@@ -88,3 +88,36 @@ async def test_malformed_input_goes_to_the_dead_letter_stream_and_the_partition_
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_a_partition_whose_lease_is_gone_appends_nothing(bus: Bus) -> None:
+    gateway = NullGateway()
+    key = Key("pod", "default", "lease.lost")
+    gateway.objects[str(key)] = ("uid-1", 1, Spec())
+    part = _partition(bus, "writer", gateway)
+    part.held = False  # the lease renewal failed a moment ago
+    assert await part.feed(str(key), Observed(str(key), "uid-1", 1)) is False
+    assert await log_entries(bus) == []
+
+
+async def test_a_lost_log_tail_on_the_stream_is_rebuilt_and_surveyed(bus: Bus) -> None:
+    from shared.schema import Commanded, Rebuilt
+
+    gateway = NullGateway()
+    key = Key("pod", "default", "tail.lost")
+    gateway.objects[str(key)] = ("uid-1", 1, Spec())
+    part = _partition(bus, "writer", gateway)
+    assert await part.feed(str(key), Observed(str(key), "uid-1", 1))  # admitted, create commanded
+    assert await part.feed(str(key), Observed(str(key), "uid-1", 2, spec=Spec(cpus=2)))
+    known_epoch = part.keys[str(key)].state.epoch
+    # the stream loses the key's last entry (restored from an older copy)
+    last = (await log_entries(bus))[-1][0]
+    await bus.js.delete_msg(bus.subjects.stream_log, last)
+    assert await part.feed(str(key), Observed(str(key), "uid-1", 3, spec=Spec(cpus=3)))
+    entries = [e for _, e in await log_entries(bus)]
+    assert [e.n for e in entries] == list(range(1, len(entries) + 1)), "contiguous after the rebuild"
+    rebuilt = [d for e in entries for d in e.decisions if isinstance(d, Rebuilt)]
+    assert rebuilt and rebuilt[0].epoch_floor >= known_epoch
+    surveys = [d.command for e in entries for d in e.decisions if isinstance(d, Commanded) and d.command.op == "survey"]
+    assert {c.host for c in surveys} == {"host-a"} and part.keys[str(key)].state.rebuilding
+    assert part.keys[str(key)].state.epoch > known_epoch
