@@ -9,12 +9,13 @@ during an R3 leader election are retried a bounded number of times.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -383,13 +384,13 @@ async def read_subject(
         seq = msg.seq + 1
 
 
-def _reply_seq_pending(reply: str) -> tuple[int, int]:
-    """Stream sequence and pending count from a JetStream ack subject (v1 and v2 layouts)."""
+def _reply_seqs(reply: str) -> tuple[int, int]:
+    """Stream and consumer sequence from a JetStream ack subject (v1 and v2 layouts)."""
     tokens = reply.split(".")
     if len(tokens) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
-        return int(tokens[5]), int(tokens[8])
+        return int(tokens[5]), int(tokens[6])
     # v2: $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[.<rand>]
-    return int(tokens[7]), int(tokens[10])
+    return int(tokens[7]), int(tokens[8])
 
 
 async def _last_matching_seq(js: JetStreamContext, stream: str, filter_subject: str | None) -> int:
@@ -408,6 +409,14 @@ async def _last_matching_seq(js: JetStreamContext, stream: str, filter_subject: 
     return best
 
 
+class _DeliveryGap(Exception):
+    """A read consumer's delivery went missing (a client-side slow-consumer drop, a reconnect)."""
+
+    def __init__(self, position: int, target: int) -> None:
+        super().__init__(position, target)
+        self.position, self.target = position, target
+
+
 async def read_stream(
     js: JetStreamContext,
     stream: str,
@@ -421,10 +430,38 @@ async def read_stream(
 
     Stops at until_seq, or at the last matching message when the call starts (asked of the stream
     leader: an R1 read consumer may sit on a replica that is still catching up, so its "nothing
-    pending" is not trusted). Uses an ephemeral AckNone pull consumer and keeps one batch request in
-    flight ahead of the reader. Wrap it in ``contextlib.aclosing`` when breaking out early so the
-    consumer is deleted at once (it would otherwise expire after READ_CONSUMER_IDLE_S).
+    pending" is not trusted). An AckNone consumer is never redelivered to, so a delivery lost on
+    the way (the client dropped it as a slow consumer, or the connection was reset) would be a
+    silent hole: consumer sequences are contiguous, and a gap restarts the read after the last
+    message yielded. Wrap it in ``contextlib.aclosing`` when breaking out early so the consumer is
+    deleted at once (it would otherwise expire after READ_CONSUMER_IDLE_S).
     """
+    position = max(start_seq, 1) - 1
+    restarts = Retry()
+    while True:
+        try:
+            once = _read_stream_once(js, stream, filter_subject, position + 1, until_seq, batch)
+            async with contextlib.aclosing(once) as reader:
+                async for m in reader:
+                    position = m.seq
+                    yield m
+            return
+        except _DeliveryGap as gap:
+            position, until_seq = gap.position, gap.target  # the same end as the first read's
+            log.info("read_stream %s: a delivery went missing after seq %d; reading on from there", stream, position)
+            if not await restarts.backoff():
+                raise TimeoutError(f"read_stream {stream}: deliveries keep going missing") from None
+
+
+async def _read_stream_once(
+    js: JetStreamContext,
+    stream: str,
+    filter_subject: str | None,
+    start_seq: int,
+    until_seq: int | None,
+    batch: int,
+) -> AsyncGenerator[StoredMsg, None]:
+    """One ephemeral AckNone pull consumer, with one batch request in flight ahead of the reader."""
     start = max(start_seq, 1)
     target = await _last_matching_seq(js, stream, filter_subject)
     if until_seq is not None:
@@ -476,6 +513,7 @@ async def read_stream(
         outstanding = 0  # messages requested and not yet received
         no_responders = Retry()
         position = start - 1  # last sequence yielded (or skipped past)
+        delivered = 0  # last consumer sequence received: they are contiguous, a gap is a lost delivery
         await request(batch)
         outstanding += batch
         while True:
@@ -515,7 +553,10 @@ async def read_stream(
             if outstanding <= batch // 2:
                 await request(batch)
                 outstanding += batch
-            seq, _pending = _reply_seq_pending(msg.reply)
+            seq, cseq = _reply_seqs(msg.reply)
+            if cseq != delivered + 1:
+                raise _DeliveryGap(position, target)
+            delivered = cseq
             if seq > target:
                 return
             position = seq
