@@ -35,14 +35,14 @@ async def test_retry_respects_attempts_and_budget() -> None:
     st.integers(min_value=0, max_value=2**63),
     st.sampled_from(["v1", "v2", "v2r"]),
 )
-def test_reply_seq_pending(seq: int, pending: int, layout: str) -> None:
+def test_reply_seqs(seq: int, pending: int, layout: str) -> None:
     if layout == "v1":
-        reply = f"$JS.ACK.VMFENCE_IN.c1.1.{seq}.7.1700000000000000000.{pending}"
+        reply = f"$JS.ACK.VMFENCE_IN.c1.1.{seq}.{pending + 1}.1700000000000000000.{pending}"
     else:
-        reply = f"$JS.ACK._.ACCHASH.VMFENCE_IN.c1.1.{seq}.7.1700000000000000000.{pending}"
+        reply = f"$JS.ACK._.ACCHASH.VMFENCE_IN.c1.1.{seq}.{pending + 1}.1700000000000000000.{pending}"
         if layout == "v2r":
             reply += ".rnd"
-    assert bus._reply_seq_pending(reply) == (seq, pending)
+    assert bus._reply_seqs(reply) == (seq, pending + 1)  # stream and consumer sequence
 
 
 async def test_bus_open_close(nats_server: NatsServer) -> None:
