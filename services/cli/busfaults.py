@@ -59,13 +59,13 @@ class Weather:
             return rng.choice((0.0, 0.0, hi / 4, hi / 2, hi))
 
         return cls(
-            delivery_lost=rate(0.04),
-            delivery_duplicated=rate(0.06),
-            ack_lost=rate(0.05),
-            publish_response_lost=rate(0.04),
-            api_response_lost=rate(0.01),
-            publish_replayed=rate(0.03),
-            connection_reset=rate(0.004),
+            delivery_lost=rate(0.1),
+            delivery_duplicated=rate(0.1),
+            ack_lost=rate(0.1),
+            publish_response_lost=rate(0.08),
+            api_response_lost=rate(0.02),
+            publish_replayed=rate(0.08),
+            connection_reset=rate(0.01),
             jitter_ms=rng.choice(((0,), (0, 0, 0, 1, 5), (0, 1, 5, 25))),
         )
 

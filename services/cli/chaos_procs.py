@@ -103,31 +103,15 @@ def _run_stack_campaign(args: argparse.Namespace) -> int:
     steps = int(getattr(args, "steps", None) or 25)
     result = _run_async(run_stack_campaign(seeds, first, steps, root=args.dir + "-stack"))
     sys.stdout.write(json.dumps(result) + "\n")
-    return 1 if result["failures"] or result["violations"] else 0
+    return 1 if result["failures"] or result["violations"] or result["lost_inputs"] else 0
 
 
 def _run_sim_campaign(args: argparse.Namespace) -> int:
-    """The deterministic campaign lives in another module, possibly not written yet."""
     if getattr(args, "stack", False):
         return _run_stack_campaign(args)
-    try:
-        from services.cli import chaos_sim  # type: ignore[attr-defined]
-    except ImportError:
-        print(
-            "vmfence chaos: the deterministic campaign (--seeds/--seed) needs services/cli/chaos_sim.py, "
-            "which is not in this tree yet; use --processes",
-            file=sys.stderr,
-        )
-        return 2
-    result = chaos_sim.run_campaign(args)
-    if asyncio.iscoroutine(result):
-        from services.cli.main import _run_async
+    from services.cli import chaos_sim
 
-        result = _run_async(result)
-    if isinstance(result, dict):
-        sys.stdout.write(json.dumps(result) + "\n")
-        return 0 if not result.get("violations") else 1
-    return int(result)
+    return chaos_sim.run_campaign(args)
 
 
 def _print_human(result: dict[str, Any]) -> None:
@@ -714,10 +698,9 @@ class ProcessChaos:
     # ------------------------------------------------------------------------- the end
     async def verdict(self) -> dict[str, Any]:
         """Compare the OS's VMs with the live pods, and the log with both."""
+        from services.cli.chaos_oracles import lost_inputs
         from services.cli.logcmds import audit_records
         from shared.decisions import read_log
-        from shared.schema import Admitted, Bound, Forgotten, Hibernated, Superseded
-        from shared.state import KeyState, fold
 
         pods = await self._pods()
         live = {f"{NS}/{n}": (str(p.metadata.uid), p) for n, p in pods.items()}
@@ -734,36 +717,10 @@ class ProcessChaos:
         )  # fmt: skip
         records = [r async for r in read_log(self.bus.js, self.subjects)]
         report = audit_records(records)
-        states: dict[str, KeyState] = {}
-        admitted: dict[str, set[str]] = {}
-        ended: set[str] = set()
-        decided: dict[str, set[str]] = {}  # uid -> names of decisions that settle it
-        for rec in records:
-            s = states.setdefault(rec.entry.key, KeyState(key=rec.entry.key))
-            for d in rec.entry.decisions:
-                match d:
-                    case Admitted(fence=f):
-                        admitted.setdefault(f.key, set()).add(f.uid)
-                    case Superseded(fence=f) | Forgotten(fence=f):
-                        ended.add(f.uid)
-                    case Bound(fence=f) | Hibernated(fence=f):
-                        decided.setdefault(f.uid, set()).add(type(d).__name__)
-                fold(s, d)
-            s.n = rec.entry.n
-        lost: list[str] = []
-        for key, (uid, p) in live.items():
-            want_hib = (p.metadata.annotations or {}).get("vmfence.io/hibernate") == "true"
-            s = states.get(key)
-            cur = s.cur if s is not None else None
-            if cur is None or cur.fence.uid != uid:
-                lost.append(f"{key} uid {uid}: live pod, log's current incarnation is {cur.fence.uid if cur else None}")
-            elif not (cur.hibernated if want_hib else (cur.bound and cur.vm_id is not None)):
-                lost.append(f"{key} uid {uid}: live pod (hibernate={want_hib}) but the log says bound={cur.bound} "
-                            f"hibernated={cur.hibernated} ({sorted(decided.get(uid, ()))})")
-        for key, uids in admitted.items():
-            live_uid = live.get(key, ("", None))[0]
-            for uid in sorted(uids - ended - {live_uid}):
-                lost.append(f"{key} uid {uid}: deleted incarnation never Superseded/Forgotten")
+        lost = lost_inputs(records, {
+            k: (uid, (p.metadata.annotations or {}).get("vmfence.io/hibernate") == "true")
+            for k, (uid, p) in live.items()
+        })
         violations = [f"{v.rule}: {v.key} entry {v.n}: {v.message}" for v in report.violations]
         consumers: dict[str, int] = {}
         with contextlib.suppress(Exception):  # leaked ephemeral consumers slow the meta layer down

@@ -1,14 +1,21 @@
 """`vmfence chaos --stack --seeds N`: the seeded campaign against the real in-process components.
 
-One seed determines the workload and the fault schedule (not the thread/process interleaving, which
-the OS and the network decide): same-name recreates, deletes, hibernate/wake, with faults injected
-where the real components meet the world — the development API server's lagging cache, injected
-409s on status writes, lost responses on deletes, dropped watches; the sim runtime crashing or
-losing VMs and delaying creates; a reconciler SIGKILLed and restarted. All seeds share one stack
-(embedded NATS, API server, watcher, two reconciler processes, two sim agents); each seed uses its own
-pod names. Oracles: the agents' runtime records sampled every 20 ms (never two VMs for one key);
-after each seed's faults stop, every live pod Running with exactly one VM owned by it, no VM for a
-deleted pod; at the end, the audit of the whole log.
+One seed determines the workload, the fault schedule and the bus weather: same-name recreates,
+deletes, hibernate/wake, with faults injected where the real components meet the world — the
+development API server's lagging cache, injected 409s on status writes, lost responses on deletes,
+dropped watches; the sim runtime crashing or losing VMs; a reconciler SIGKILLed and restarted; and
+at the client boundary of every component (``busfaults``: each reconciler, agent and the watcher
+reach nats-server through a wire proxy) lost and duplicated deliveries, lost acks, lost publish
+answers, publishes replayed after the (2 s) dedupe window, connection resets, a component cut off
+from the bus for a while, and per-frame jitter that moves the components' relative order. The
+interleaving is driven by the seed, not fixed by it: the components are real processes and tasks
+that the OS schedules, so a failing seed is rerun with the same command but may not fail again.
+
+All seeds share one stack (embedded NATS, API server, watcher, two reconciler processes, two sim
+agents); each seed uses its own pod names. Oracles: the agents' runtime records sampled every 20 ms
+(never two VMs for one key); after each seed's faults stop, every live pod Running with exactly one
+VM owned by it, no VM for a deleted pod; at the end, every input decided (the log's incarnation of
+each live pod, every dead one ended) and the audit of the whole log.
 """
 
 from __future__ import annotations
@@ -23,12 +30,19 @@ from typing import Any
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from services.cli.busfaults import CALM, BusProxy, Weather
+from services.cli.chaos_oracles import lost_inputs
 from services.cli.logcmds import audit_records
 from services.cli.stack import LocalStack
+from shared.bus import StreamsConfig
 from shared.decisions import read_log
 
 NS = "default"
 SETTLE_S = 60.0
+PARTITIONS = 4
+DEDUPE_WINDOW_S = 2.0  # short, so that the proxies' late replays land after it (fault 22)
+ACK_WAIT_S = 2.0  # lost deliveries and acks come back within a seed
+CUT_S = (0.5, 2.0, 7.0)  # the last is longer than the lease TTL (3 s) and the host staleness (5 s)
 
 
 class _Oracle:
@@ -62,9 +76,13 @@ def _pod(name: str, annotations: dict[str, str] | None = None) -> dict[str, Any]
 
 
 async def _seed(
-    stack: LocalStack, core: client.CoreV1Api, seed: int, steps: int, faults: dict[str, int]
+    stack: LocalStack, core: client.CoreV1Api, proxies: dict[str, BusProxy], seed: int, steps: int,
+    faults: dict[str, int],
 ) -> str | None:
     rng = random.Random(seed)
+    weather = random.Random(f"weather/{seed}")
+    for proxy in proxies.values():
+        proxy.set_weather(seed, Weather.draw(weather))
     names = [f"s{seed}-p{i}.x" for i in range(3)]
     live: dict[str, bool] = {}  # name -> hibernate wanted
     api = stack.apiserver
@@ -123,8 +141,12 @@ async def _seed(
                 stack.kill_reconciler(victim)
                 stack.start_reconciler(victim)
                 hit("reconciler_sigkill")
+            elif roll < 0.89:
+                proxies[rng.choice(sorted(proxies))].cut(rng.choice(CUT_S))
             await asyncio.sleep(rng.random() * 0.05)
     api.faults.set_stale(events=0)
+    for proxy in proxies.values():
+        proxy.set_weather(seed, CALM)
     # quiescence for this seed's pods: each live pod Running/hibernated with its VM, none for the dead
     for name in list(stack.recs):
         await stack.wait_reconciler_ready(name)
@@ -201,8 +223,23 @@ async def run_stack_campaign(
     seeds: int, first: int = 0, steps: int = 25, root: str = ".vmfence/chaos-stack"
 ) -> dict[str, Any]:
     start = time.perf_counter()
-    stack = LocalStack(Path(root), runtime="sim", partitions=4, restart_backoff_s=0.2, host_stale_s=5.0)
-    await stack.start()
+    proxies: dict[str, BusProxy] = {}
+
+    async def door(component: str, url: str) -> str:
+        host, port = url.removeprefix("nats://").rsplit(":", 1)
+        proxies[component] = BusProxy(component, (host, int(port)))
+        return await proxies[component].start()
+
+    stack = LocalStack(
+        Path(root), runtime="sim", partitions=PARTITIONS, restart_backoff_s=0.2, host_stale_s=5.0,
+        ack_wait_s=ACK_WAIT_S, streams=StreamsConfig(partitions=PARTITIONS, duplicate_window_s=DEDUPE_WINDOW_S),
+        bus_door=door,
+    )
+    try:
+        await stack.start()
+    except BaseException:
+        await _stop_proxies(proxies)
+        raise
     oracle = _Oracle(stack)
     watch = asyncio.create_task(oracle.run())
     faults: dict[str, int] = {}
@@ -211,17 +248,28 @@ async def run_stack_campaign(
         assert stack.api is not None
         core = client.CoreV1Api(stack.api)
         for seed in range(first, first + seeds):
-            problem = await _seed(stack, core, seed, steps, faults)
+            problem = await _seed(stack, core, proxies, seed, steps, faults)
             if problem is not None:
                 failures.append({"seed": seed, "invariant": problem, "log_tail": await _log_tail(stack, problem),
                                  "replay": f"vmfence chaos --stack --seed {seed} --steps {steps}"})
         assert stack.bus is not None
-        report = audit_records([r async for r in read_log(stack.bus.js, stack.bus.subjects)], final=False)
+        records = [r async for r in read_log(stack.bus.js, stack.bus.subjects)]
+        report = audit_records(records, final=False)
+        live = {
+            f"{NS}/{p.metadata.name}": (str(p.metadata.uid),
+                                         (p.metadata.annotations or {}).get("vmfence.io/hibernate") == "true")
+            for p in (await core.list_namespaced_pod(NS)).items
+        }
+        lost = lost_inputs(records, live)
     finally:
         watch.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watch
         await stack.stop()
+        await _stop_proxies(proxies)
+    for proxy in proxies.values():
+        for kind, n in proxy.counts.items():
+            faults[kind] = faults.get(kind, 0) + n
     if oracle.max_per_key > 1:
         failures.append({"seed": None, "invariant": f"two VMs for one key at once: {oracle.worst}"})
     return {
@@ -231,7 +279,13 @@ async def run_stack_campaign(
         "steps": seeds * steps,
         "faults_injected": dict(sorted(faults.items())),
         "max_vms_per_key": oracle.max_per_key,
+        "lost_inputs": lost,
         "violations": [f"{v.rule} {v.key}#{v.n}: {v.message}" for v in report.violations],
         "decisions": report.decisions,
         "seconds": round(time.perf_counter() - start, 1),
     }
+
+
+async def _stop_proxies(proxies: dict[str, BusProxy]) -> None:
+    for proxy in proxies.values():
+        await proxy.stop()

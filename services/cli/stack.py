@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +71,10 @@ class LocalStack:
     fresh: bool = True
     watch_window: int = 1000
     host_stale_s: float = 15.0
+    ack_wait_s: float | None = None  # reconcilers' and agents' redelivery delay (None: their defaults)
+    streams: StreamsConfig | None = None  # default: StreamsConfig(partitions=partitions)
+    # each component's door to the bus (component name, server URL) -> URL, e.g. a fault proxy
+    bus_door: Callable[[str, str], Awaitable[str]] | None = None
 
     subjects: Subjects = field(init=False)
     nats: NatsServer | None = field(default=None, init=False)
@@ -79,6 +84,8 @@ class LocalStack:
     agents: dict[str, Agent] = field(default_factory=dict, init=False)
     watcher: Watcher | None = field(default=None, init=False)
     bus: Bus | None = field(default=None, init=False)
+    watcher_bus: Bus | None = field(default=None, init=False)
+    urls: dict[str, str] = field(default_factory=dict, init=False)  # component -> its NATS URL
     api: client.ApiClient | None = field(default=None, init=False)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
     _agent_tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
@@ -96,7 +103,11 @@ class LocalStack:
         self.nats = await start_nats(store_dir=str(self.root / "nats"))
         on_status("nats", self.nats.url)
         self.bus = await Bus.open(self.nats.url, name="vmfence-stack", subjects=self.subjects)
-        await provision(self.bus.js, self.subjects, StreamsConfig(partitions=self.partitions))
+        await provision(self.bus.js, self.subjects, self.streams or StreamsConfig(partitions=self.partitions))
+        components = [*(f"reconciler-{i + 1}" for i in range(self.reconcilers)),
+                      *(f"agent-{h}" for h in self.hosts), "watcher"]
+        for c in components:
+            self.urls[c] = await self.bus_door(c, self.nats.url) if self.bus_door else self.nats.url
         if self.kubeconfig is None:
             on_status("apiserver", "starting")
             self.apiserver = ApiServer(ApiServerConfig(db_path=None, watch_window=self.watch_window))
@@ -116,7 +127,10 @@ class LocalStack:
         for host in self.hosts:
             await self.start_agent(host)
             on_status(f"agent {host}", f"ready ({self.runtime})")
-        self.watcher = Watcher(self.api, self.bus.js, self.subjects)
+        self.watcher_bus = self.bus
+        if self.urls["watcher"] != self.nats.url:
+            self.watcher_bus = await Bus.open(self.urls["watcher"], name="vmfence-watcher", subjects=self.subjects)
+        self.watcher = Watcher(self.api, self.watcher_bus.js, self.subjects)
         self._tasks.append(asyncio.create_task(self.watcher.run(), name="watcher"))
         await asyncio.wait_for(self.watcher.ready.wait(), READY_TIMEOUT_S)
         on_status("watcher", "ready")
@@ -127,11 +141,12 @@ class LocalStack:
     async def start_agent(self, host: str) -> Agent:
         assert self.nats is not None
         agent_cfg = AgentConfig(
-            nats_url=self.nats.url, host=host, runtime=self.runtime,
+            nats_url=self.urls.get(f"agent-{host}", self.nats.url), host=host, runtime=self.runtime,
             data_dir=str(self.root / "agents" / host), http_port=0, http_host="127.0.0.1",
             partitions=self.partitions, cpus=self.host_cpus, memory_mib=self.host_memory_mib,
             heartbeat_interval=1.0, inventory_interval=30.0, probe_interval=1.0, accel=self.accel,
             vnc_range=None, cleanup_on_stop=True, shutdown_timeout=10.0,
+            **({"ack_wait": self.ack_wait_s} if self.ack_wait_s else {}),
         ).validate()
         agent = Agent(agent_cfg)
         ready = asyncio.Event()
@@ -153,11 +168,12 @@ class LocalStack:
         assert self.nats is not None
         rp.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "services.cli", "reconciler", "--nats", self.nats.url,
+                sys.executable, "-m", "services.cli", "reconciler", "--nats", self.urls.get(name, self.nats.url),
                 "--kubeconfig", self.kubeconfig_path, "--id", name, "--partitions", str(self.partitions),
                 "--data-dir", str(self.root / "reconcilers"), "--http-host", "127.0.0.1",
                 "--http-port", str(rp.port), "--lease-ttl", "3", "--snapshot-interval", "0.5",
                 "--restart-backoff", str(self.restart_backoff_s), "--host-stale", str(self.host_stale_s),
+                *(["--ack-wait", str(self.ack_wait_s)] if self.ack_wait_s else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=rp.log.open("ab"),
@@ -223,6 +239,8 @@ class LocalStack:
                 await asyncio.wait_for(task, STOP_TIMEOUT_S)
         if self.api is not None:
             await self.api.close()
+        if self.watcher_bus is not None and self.watcher_bus is not self.bus:
+            await self.watcher_bus.close()
         if self.bus is not None:
             await self.bus.close()
         if self.apiserver is not None:

@@ -90,6 +90,7 @@ def parse(argv: list[str] | None = None) -> ReconcilerConfig:
     p.add_argument("--snapshot-interval", default=_env("SNAPSHOT_INTERVAL", "2"))
     p.add_argument("--host-stale", default=_env("HOST_STALE", "15"), help="heartbeat age (s) for a dead host")
     p.add_argument("--restart-backoff", default=_env("RESTART_BACKOFF", "10"), help="first VM restart delay (s)")
+    p.add_argument("--ack-wait", default=_env("ACK_WAIT", "10"), help="seconds before an unacked input is redelivered")
     a = p.parse_args(argv)
     prefix = a.prefix
     if not prefix or not prefix.replace("_", "").replace("-", "").isalnum():
@@ -126,4 +127,5 @@ def parse(argv: list[str] | None = None) -> ReconcilerConfig:
         snapshot_interval_s=_float("VMFENCE_SNAPSHOT_INTERVAL", a.snapshot_interval, 0.05),
         restart_backoff_base_s=_float("VMFENCE_RESTART_BACKOFF", a.restart_backoff, 0.0),
         host_stale_s=_float("VMFENCE_HOST_STALE", a.host_stale, 1.0),
+        ack_wait_s=_float("VMFENCE_ACK_WAIT", a.ack_wait, 0.5),
     )
