@@ -89,7 +89,7 @@ from shared.schema import (
     WriteDone,
     WriteRequested,
 )
-from shared.state import Incarnation, KeyState, fold
+from shared.state import Incarnation, KeyState, VMRec, fold
 
 # Named bounds (seconds) for the re-checks timers trigger.
 PLACE_RETRY_S = 2.0
@@ -469,7 +469,7 @@ def _after_release(run: _Run) -> None:
     if cur is None:
         return
     if cur.delete_claim:
-        if not any(rec.fence == cur.fence for rec in s.vms.values()):
+        if not s.rebuilding and not _vms_of(s, cur):
             _finish_delete(run, cur)
         return
     _bring_up(run)
@@ -481,21 +481,28 @@ def _after_release(run: _Run) -> None:
 def _delete_path(run: _Run, cur: Incarnation, *, gone: bool) -> None:
     s = run.s
     if cur.delete_claim:
-        if gone and not any(rec.fence == cur.fence for rec in s.vms.values()):
+        if gone and not _vms_of(s, cur):
             _forget(run, cur)
             return
         run.add(Skipped("delete_in_flight", cur.fence.uid, "a delete for this incarnation is in flight"))
         return
     run.add(DeleteClaimed(cur.fence))
-    mine = [rec for rec in s.vms.values() if rec.fence == cur.fence]
+    mine = _vms_of(s, cur)
     for rec in mine:
         if rec.state != "removing":
             _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
     if not mine:
         if gone:
             _forget(run, cur)
-        else:
+        elif not s.rebuilding:
             _finish_delete(run, cur)
+        # else: a survey is out after a lost log tail; a VM the lost tail made may still run, so
+        # the object stays until every host answered (its answer finishes the delete)
+
+
+def _vms_of(s: KeyState, cur: Incarnation) -> list[VMRec]:
+    """The incarnation's VMs, also those a survey found under an epoch from before a rebuild."""
+    return [rec for rec in s.vms.values() if rec.fence.uid == cur.fence.uid]
 
 
 def _finish_delete(run: _Run, cur: Incarnation) -> None:
@@ -606,7 +613,7 @@ def _discover(run: _Run, i: Inventoried) -> None:
     cur = s.cur
     if (
         cur is not None
-        and cur.fence.uid == i.fence.uid
+        and (cur.fence.uid == i.fence.uid or _adopts_predecessor(s, cur, i))
         and cur.vm_id is None
         and not (cur.deleting or cur.hibernated)
         and len(s.vms) == 1
@@ -615,6 +622,17 @@ def _discover(run: _Run, i: Inventoried) -> None:
         return
     run.add(Skipped("orphan", i.fence.uid, f"VM {i.vm_id} on {i.host} belongs to no live incarnation"))
     _command(run, "remove", i.fence, i.host, i.vm_id, None)
+
+
+def _adopts_predecessor(s: KeyState, cur: Incarnation, i: Inventoried) -> bool:
+    """After a lost log tail the predecessor's VM is known only from the survey: a successor with
+    ``on-recreate: adopt`` takes it over as it would have at its admission (rule 8)."""
+    return (
+        s.rebuilding
+        and cur.spec.on_recreate == "adopt"
+        and s.is_tombstoned(i.fence.uid)
+        and i.state not in ("removing", "hibernating")
+    )
 
 
 def rebuild(state: KeyState, known_epoch: int, env: DecideEnv | None = None, reason: str = "") -> list[Decision]:
