@@ -17,7 +17,8 @@ Invariants (DESIGN.md, "Audit and decision streams"):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import msgspec
 
@@ -28,13 +29,15 @@ from shared.schema import (
     Command,
     Commanded,
     Decision,
+    Discovered,
     Done,
     Hibernated,
     LogEntry,
     Placed,
+    Rebuilt,
     Released,
+    Restarting,
     Skipped,
-    decision_name,
 )
 from shared.state import KeyState, fold
 
@@ -63,117 +66,172 @@ class AuditReport(msgspec.Struct):
         return not self.violations
 
 
-_LIVE_STATES = {"creating", "running", "exited", "hibernating", "waking", "adopting"}
+_LIVE_STATES = frozenset({"creating", "running", "exited", "hibernating", "waking", "adopting"})
+
+# Decisions after which ``fold`` may have changed which VMs a key has or their states: only these
+# can start (or end) "two live VMs for one key", so only these pay for counting them.
+_VM_CHANGING: frozenset[type] = frozenset(
+    {Placed, Commanded, Bound, Adopted, Released, Hibernated, Restarting, Rebuilt, Discovered}
+)
 
 
 class Auditor:
-    """Feed entries in log order (per key order is what matters); ask for the report at the end."""
+    """Feed entries in log order (per key order is what matters); ask for the report at the end.
+
+    Per decision it does only what that decision's type needs: one table lookup finds its check
+    (most types have none), the writer's own ``fold`` applies it, and live VMs are counted only
+    after decisions that can change them (or while a key is already in violation, so a lasting
+    violation is reported at every position as before)."""
 
     def __init__(self) -> None:
         self.states: dict[str, KeyState] = {}
         self._commands: dict[str, dict[str, Command]] = {}
         self._vm_owner: dict[str, str] = {}  # vm_id -> key that has it live
-        self._types: Counter[str] = Counter()
+        self._types: Counter[type[msgspec.Struct]] = Counter()
         self._skipped: Counter[str] = Counter()
         self._violations: list[Violation] = []
         self._entries = 0
         self._created = 0
         self._released = 0
+        self._two_live: set[str] = set()  # keys whose last count found more than one live VM
+        self._checks: dict[type, Callable[[KeyState, dict[str, Command], Any, int, int | None], None]] = {
+            Admitted: self._admitted,
+            Placed: self._placed,
+            Commanded: self._commanded,
+            Bound: self._bound,
+            Adopted: self._adopted,
+            Released: self._released_vm,
+            Hibernated: self._hibernated,
+            Skipped: self._skipped_input,
+            Done: self._done,
+        }
 
     def _bad(self, key: str, n: int, seq: int | None, rule: str, message: str) -> None:
         self._violations.append(Violation(key, n, rule, message, seq))
 
     def feed(self, entry: LogEntry, seq: int | None = None) -> None:
         key = entry.key
+        n = entry.n
         s = self.states.get(key)
         if s is None:
             s = self.states[key] = KeyState(key=key)
+            cmds = self._commands[key] = {}
+        else:
+            cmds = self._commands[key]
         self._entries += 1
-        if entry.n != s.n + 1:
-            rule = "gap" if entry.n > s.n + 1 else "repeat"
-            self._bad(key, entry.n, seq, rule, f"entry {entry.n} follows entry {s.n}")
-        cmds = self._commands.setdefault(key, {})
+        if n != s.n + 1:
+            rule = "gap" if n > s.n + 1 else "repeat"
+            self._bad(key, n, seq, rule, f"entry {n} follows entry {s.n}")
+        checks = self._checks
+        two_live = self._two_live
+        types = self._types
         for d in entry.decisions:
-            self._types[decision_name(d)] += 1
-            self._check(s, cmds, d, entry.n, seq)
-            if isinstance(d, Done):
-                pending = s.outbox.get(d.effect_id)
-                if isinstance(pending, Commanded):
-                    cmds[d.effect_id] = pending.command
+            t = type(d)
+            types[t] += 1
+            check = checks.get(t)
+            if check is not None:
+                check(s, cmds, d, n, seq)
             fold(s, d)
-            self._check_after(s, d, entry.n, seq)
-        s.n = entry.n
+            if t in _VM_CHANGING or key in two_live:
+                self._check_after(s, d, n, seq)
+        s.n = n
 
-    def _check(self, s: KeyState, cmds: dict[str, Command], d: Decision, n: int, seq: int | None) -> None:
-        key = s.key
+    # ------------------------------------------------------------------ checks before the fold
+    def _admitted(self, s: KeyState, cmds: dict[str, Command], d: Admitted, n: int, seq: int | None) -> None:
+        f = d.fence
+        if f.key != s.key:
+            self._bad(s.key, n, seq, "wrong_key", f"admitted fence for {f.key}")
+        if s.is_tombstoned(f.uid):
+            self._bad(s.key, n, seq, "tombstone_returned", f"uid {f.uid} admitted after tombstone")
+        if f.epoch <= s.epoch:
+            self._bad(s.key, n, seq, "epoch_not_increasing", f"epoch {f.epoch} after {s.epoch}")
+
+    def _placed(self, s: KeyState, cmds: dict[str, Command], d: Placed, n: int, seq: int | None) -> None:
+        f, vm_id = d.fence, d.vm_id
+        self._created += 1
         cur = s.cur
-        match d:
-            case Admitted(fence=f):
-                if f.key != key:
-                    self._bad(key, n, seq, "wrong_key", f"admitted fence for {f.key}")
-                if s.is_tombstoned(f.uid):
-                    self._bad(key, n, seq, "tombstone_returned", f"uid {f.uid} admitted after tombstone")
-                if f.epoch <= s.epoch:
-                    self._bad(key, n, seq, "epoch_not_increasing", f"epoch {f.epoch} after {s.epoch}")
-            case Placed(fence=f, vm_id=vm_id):
-                self._created += 1
-                if cur is None or cur.fence != f:
-                    self._bad(key, n, seq, "command_fence_not_current", f"placed {vm_id} for {f}")
-                others = [v for v in s.vms.values() if v.vm_id != vm_id]
-                if others:
-                    names = ", ".join(f"{v.vm_id}({v.state})" for v in others)
-                    self._bad(key, n, seq, "two_vms_for_key", f"{vm_id} placed while {names} exist")
-            case Commanded(command=c):
-                rec = s.vms.get(c.vm_id)
-                if c.op == "survey":
-                    pass  # a read of what hosts have: no VM is touched
-                elif c.op == "remove":
-                    if rec is not None and rec.fence != c.fence:
-                        self._bad(
-                            key, n, seq, "command_fence_not_current",
-                            f"remove of {c.vm_id} with {c.fence}, owner {rec.fence}",
-                        )
-                elif cur is None or cur.fence != c.fence or s.is_tombstoned(c.fence.uid):
-                    self._bad(key, n, seq, "command_fence_not_current", f"{c.op} {c.vm_id} with {c.fence}")
-            case Bound(fence=f, vm_id=vm_id, command_id=cid):
-                cmd = cmds.get(cid)
-                if cmd is None or cmd.vm_id != vm_id or cmd.fence != f:
-                    self._bad(key, n, seq, "result_fence_mismatch", f"bound {vm_id} under {f} by {cid}")
-                if cur is None or cur.fence != f:
-                    self._bad(key, n, seq, "bound_not_current", f"bound {vm_id} to non-current {f}")
-                owner = self._vm_owner.get(vm_id)
-                if owner is not None and owner != key:
-                    self._bad(key, n, seq, "vm_bound_twice", f"{vm_id} already live for {owner}")
-            case Adopted(fence=f, vm_id=vm_id, command_id=cid):
-                cmd = cmds.get(cid)
-                if cmd is None or cmd.op != "adopt" or cmd.vm_id != vm_id or cmd.fence != f:
-                    self._bad(key, n, seq, "result_fence_mismatch", f"adopted {vm_id} under {f} by {cid}")
-            case Released(fence=f, vm_id=vm_id, command_id=cid):
-                self._released += 1
-                rec = s.vms.get(vm_id)
-                if rec is not None and rec.fence != f:
-                    self._bad(key, n, seq, "result_fence_mismatch", f"released {vm_id} under {f}")
-                if cid is not None:
-                    cmd = cmds.get(cid)
-                    if cmd is None or cmd.vm_id != vm_id:
-                        self._bad(key, n, seq, "result_fence_mismatch", f"release of {vm_id} by {cid}")
-            case Hibernated(fence=f, vm_id=vm_id):
-                self._released += 1
-                rec = s.vms.get(vm_id)
-                if rec is None or rec.fence != f:
-                    self._bad(key, n, seq, "result_fence_mismatch", f"hibernated {vm_id} under {f}")
-            case Skipped(reason=reason):
-                self._skipped[reason] += 1
-            case _:
-                pass
+        if cur is None or cur.fence != f:
+            self._bad(s.key, n, seq, "command_fence_not_current", f"placed {vm_id} for {f}")
+        if s.vms:
+            others = [v for v in s.vms.values() if v.vm_id != vm_id]
+            if others:
+                names = ", ".join(f"{v.vm_id}({v.state})" for v in others)
+                self._bad(s.key, n, seq, "two_vms_for_key", f"{vm_id} placed while {names} exist")
 
+    def _commanded(self, s: KeyState, cmds: dict[str, Command], d: Commanded, n: int, seq: int | None) -> None:
+        c = d.command
+        op = c.op
+        if op == "survey":
+            return  # a read of what hosts have: no VM is touched
+        if op == "remove":
+            rec = s.vms.get(c.vm_id)
+            if rec is not None and rec.fence != c.fence:
+                self._bad(
+                    s.key, n, seq, "command_fence_not_current",
+                    f"remove of {c.vm_id} with {c.fence}, owner {rec.fence}",
+                )
+            return
+        cur = s.cur
+        if cur is None or cur.fence != c.fence or s.is_tombstoned(c.fence.uid):
+            self._bad(s.key, n, seq, "command_fence_not_current", f"{op} {c.vm_id} with {c.fence}")
+
+    def _bound(self, s: KeyState, cmds: dict[str, Command], d: Bound, n: int, seq: int | None) -> None:
+        f, vm_id, cid = d.fence, d.vm_id, d.command_id
+        key = s.key
+        cmd = cmds.get(cid)
+        if cmd is None or cmd.vm_id != vm_id or cmd.fence != f:
+            self._bad(key, n, seq, "result_fence_mismatch", f"bound {vm_id} under {f} by {cid}")
+        cur = s.cur
+        if cur is None or cur.fence != f:
+            self._bad(key, n, seq, "bound_not_current", f"bound {vm_id} to non-current {f}")
+        owner = self._vm_owner.get(vm_id)
+        if owner is not None and owner != key:
+            self._bad(key, n, seq, "vm_bound_twice", f"{vm_id} already live for {owner}")
+
+    def _adopted(self, s: KeyState, cmds: dict[str, Command], d: Adopted, n: int, seq: int | None) -> None:
+        f, vm_id, cid = d.fence, d.vm_id, d.command_id
+        cmd = cmds.get(cid)
+        if cmd is None or cmd.op != "adopt" or cmd.vm_id != vm_id or cmd.fence != f:
+            self._bad(s.key, n, seq, "result_fence_mismatch", f"adopted {vm_id} under {f} by {cid}")
+
+    def _released_vm(self, s: KeyState, cmds: dict[str, Command], d: Released, n: int, seq: int | None) -> None:
+        f, vm_id, cid = d.fence, d.vm_id, d.command_id
+        self._released += 1
+        rec = s.vms.get(vm_id)
+        if rec is not None and rec.fence != f:
+            self._bad(s.key, n, seq, "result_fence_mismatch", f"released {vm_id} under {f}")
+        if cid is not None:
+            cmd = cmds.get(cid)
+            if cmd is None or cmd.vm_id != vm_id:
+                self._bad(s.key, n, seq, "result_fence_mismatch", f"release of {vm_id} by {cid}")
+
+    def _hibernated(self, s: KeyState, cmds: dict[str, Command], d: Hibernated, n: int, seq: int | None) -> None:
+        self._released += 1
+        rec = s.vms.get(d.vm_id)
+        if rec is None or rec.fence != d.fence:
+            self._bad(s.key, n, seq, "result_fence_mismatch", f"hibernated {d.vm_id} under {d.fence}")
+
+    def _skipped_input(self, s: KeyState, cmds: dict[str, Command], d: Skipped, n: int, seq: int | None) -> None:
+        self._skipped[d.reason] += 1
+
+    def _done(self, s: KeyState, cmds: dict[str, Command], d: Done, n: int, seq: int | None) -> None:
+        # a finished command is remembered: results (bound, adopted, released) are checked against it
+        pending = s.outbox.get(d.effect_id)
+        if isinstance(pending, Commanded):
+            cmds[d.effect_id] = pending.command
+
+    # ------------------------------------------------------------------ checks after the fold
     def _check_after(self, s: KeyState, d: Decision, n: int, seq: int | None) -> None:
-        live = [v for v in s.vms.values() if v.state in _LIVE_STATES]
-        if len(live) > 1:
-            names = ", ".join(v.vm_id for v in live)
-            self._bad(s.key, n, seq, "two_vms_for_key", f"live VMs at once: {names}")
+        key = s.key
+        vms = s.vms
+        if len(vms) > 1 and sum(1 for v in vms.values() if v.state in _LIVE_STATES) > 1:
+            names = ", ".join(v.vm_id for v in vms.values() if v.state in _LIVE_STATES)
+            self._bad(key, n, seq, "two_vms_for_key", f"live VMs at once: {names}")
+            self._two_live.add(key)
+        else:
+            self._two_live.discard(key)
         if isinstance(d, Bound):
-            self._vm_owner[d.vm_id] = s.key
+            self._vm_owner[d.vm_id] = key
         elif isinstance(d, Released | Hibernated):
             self._vm_owner.pop(d.vm_id, None)
 
@@ -197,7 +255,7 @@ class Auditor:
             keys=len(self.states),
             entries=self._entries,
             decisions=sum(self._types.values()),
-            decisions_by_type=dict(self._types),
+            decisions_by_type={str(t.__struct_config__.tag): k for t, k in self._types.items()},
             skipped=dict(self._skipped),
             vms_created=self._created,
             vms_released=self._released,

@@ -125,21 +125,23 @@ def _cur_for(s: KeyState, fence: Fence) -> Incarnation | None:
 
 def fold(s: KeyState, d: Decision) -> KeyState:
     """Apply one decision to ``s`` in place and return it."""
+    # The cases are tried in turn, so the most frequent decisions of a real log come first (replay
+    # and the reconciler fold every one); the classes are disjoint, so the order changes nothing else.
     match d:
-        case ConfirmRequested(request=req):
-            s.outbox[req] = d
-        case Admitted(fence=f, spec=spec, invalid=invalid, resource_version=rv):
-            s.epoch = max(s.epoch, f.epoch)
-            s.admitted_rv = max(s.admitted_rv, rv)
-            s.cur = Incarnation(fence=f, spec=spec, invalid=invalid, rv=rv, admitted_at=s.n + 1)
-        case Superseded(fence=f):
-            _tombstone(s, f.uid)
-            if s.cur is not None and s.cur.fence.uid == f.uid:
-                s.cur = None
-        case Placed(fence=f, vm_id=vm_id, host=host):
-            s.vms[vm_id] = VMRec(vm_id=vm_id, host=host, fence=f, state="creating")
-            if (c := _cur_for(s, f)) is not None:
-                c.vm_id, c.host, c.bound, c.gen = vm_id, host, False, c.gen + 1
+        case Done(effect_id=eid):
+            done = s.outbox.pop(eid, None)
+            if (
+                isinstance(done, Commanded)
+                and done.command.op == "survey"
+                and d.outcome == "ok"
+                and not any(_is_survey(e) for e in s.outbox.values())
+            ):
+                s.rebuilding = False
+        case WriteRequested(write=w):
+            if w.verb != "event":
+                s.outbox[w.id] = d
+            if w.verb == "status" and (c := _cur_for(s, w.fence)) is not None:
+                c.status = w.status
         case Commanded(command=cmd):
             s.outbox[cmd.id] = d
             rec = s.vms.get(cmd.vm_id)
@@ -158,6 +160,25 @@ def fold(s: KeyState, d: Decision) -> KeyState:
                 s.vms[cmd.vm_id] = VMRec(cmd.vm_id, cmd.host, cmd.fence, "removing")
             elif cmd.op == "adopt":
                 s.vms[cmd.vm_id] = VMRec(cmd.vm_id, cmd.host, cmd.fence, "adopting")
+        case Released(fence=f, vm_id=vm_id):
+            s.vms.pop(vm_id, None)
+            if (c := _cur_for(s, f)) is not None and c.vm_id == vm_id:
+                c.bound, c.ready, c.vm_id = False, False, None
+        case Skipped():
+            pass
+        case ReadyChanged(fence=f, ready=ready):
+            if (c := _cur_for(s, f)) is not None:
+                c.ready = ready
+        case ConfirmRequested(request=req):
+            s.outbox[req] = d
+        case Admitted(fence=f, spec=spec, invalid=invalid, resource_version=rv):
+            s.epoch = max(s.epoch, f.epoch)
+            s.admitted_rv = max(s.admitted_rv, rv)
+            s.cur = Incarnation(fence=f, spec=spec, invalid=invalid, rv=rv, admitted_at=s.n + 1)
+        case Placed(fence=f, vm_id=vm_id, host=host):
+            s.vms[vm_id] = VMRec(vm_id=vm_id, host=host, fence=f, state="creating")
+            if (c := _cur_for(s, f)) is not None:
+                c.vm_id, c.host, c.bound, c.gen = vm_id, host, False, c.gen + 1
         case Bound(fence=f, vm_id=vm_id, host=host, ip=ip, vnc_port=vnc):
             rec = s.vms.get(vm_id)
             if rec is None:
@@ -168,17 +189,26 @@ def fold(s: KeyState, d: Decision) -> KeyState:
                 c.phase = "Running"
                 c.hibernated = False
                 c.snapshot = c.snapshot_host = None
+        case DeleteClaimed(fence=f):
+            if (c := _cur_for(s, f)) is not None:
+                c.delete_claim, c.deleting = True, True
+        case Forgotten(fence=f):
+            _tombstone(s, f.uid)
+            if s.cur is not None and s.cur.fence.uid == f.uid:
+                s.cur = None
+            # its writes and timers can no longer matter; its commands still can (a late result
+            # may move a VM's ownership), so they stay until answered
+            for eid, eff in list(s.outbox.items()):
+                if _effect_fence(eff) == f and not isinstance(eff, Commanded):
+                    del s.outbox[eid]
+        case Superseded(fence=f):
+            _tombstone(s, f.uid)
+            if s.cur is not None and s.cur.fence.uid == f.uid:
+                s.cur = None
         case Adopted(fence=f, vm_id=vm_id, host=host):
             rec = s.vms.get(vm_id)
             if rec is not None:
                 rec.fence, rec.state, rec.host = f, "running", host
-        case Released(fence=f, vm_id=vm_id):
-            s.vms.pop(vm_id, None)
-            if (c := _cur_for(s, f)) is not None and c.vm_id == vm_id:
-                c.bound, c.ready, c.vm_id = False, False, None
-        case DeleteClaimed(fence=f):
-            if (c := _cur_for(s, f)) is not None:
-                c.delete_claim, c.deleting = True, True
         case EvictionRequested(fence=f):
             if (c := _cur_for(s, f)) is not None:
                 c.evicting = True
@@ -186,11 +216,6 @@ def fold(s: KeyState, d: Decision) -> KeyState:
         case EvictionDeferred(fence=f, vm_id=vm_id):
             if (c := _cur_for(s, f)) is not None:
                 c.eviction_deferred = vm_id
-        case WriteRequested(write=w):
-            if w.verb != "event":
-                s.outbox[w.id] = d
-            if w.verb == "status" and (c := _cur_for(s, w.fence)) is not None:
-                c.status = w.status
         case Hibernated(fence=f, vm_id=vm_id, host=host, snapshot=snap):
             s.vms.pop(vm_id, None)
             if (c := _cur_for(s, f)) is not None:
@@ -207,32 +232,11 @@ def fold(s: KeyState, d: Decision) -> KeyState:
         case Succeeded(fence=f):
             if (c := _cur_for(s, f)) is not None:
                 c.phase, c.ready = "Succeeded", False
-        case ReadyChanged(fence=f, ready=ready):
-            if (c := _cur_for(s, f)) is not None:
-                c.ready = ready
         case SpecChanged(fence=f, spec=spec, resource_version=rv, invalid=invalid):
             if (c := _cur_for(s, f)) is not None:
                 c.spec, c.rv, c.invalid = spec, rv, invalid
         case TimerArmed(timer_id=tid):
             s.outbox[tid] = d
-        case Done(effect_id=eid):
-            done = s.outbox.pop(eid, None)
-            if (
-                isinstance(done, Commanded)
-                and done.command.op == "survey"
-                and d.outcome == "ok"
-                and not any(_is_survey(e) for e in s.outbox.values())
-            ):
-                s.rebuilding = False
-        case Forgotten(fence=f):
-            _tombstone(s, f.uid)
-            if s.cur is not None and s.cur.fence.uid == f.uid:
-                s.cur = None
-            # its writes and timers can no longer matter; its commands still can (a late result
-            # may move a VM's ownership), so they stay until answered
-            for eid, eff in list(s.outbox.items()):
-                if _effect_fence(eff) == f and not isinstance(eff, Commanded):
-                    del s.outbox[eid]
         case Rebuilt(epoch_floor=floor):
             # Nothing the lost tail may have done is trusted: the current incarnation is fenced
             # anew above every epoch its writer knew, its VM knowledge is dropped (the survey
@@ -254,8 +258,6 @@ def fold(s: KeyState, d: Decision) -> KeyState:
                 s.vms[vm_id] = VMRec(vm_id=vm_id, host=host, fence=f, state="discovered")
             else:
                 rec.fence, rec.host = f, host
-        case Skipped():
-            pass
     return s
 
 

@@ -89,13 +89,20 @@ async def _audit_streaming(args: argparse.Namespace) -> AuditReport:
 
 async def replay(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    gc.freeze()  # what exists now is long-lived; the decoded entries are not cyclic garbage
+    # What exists now is long-lived, and decoded entries are never cyclic garbage (refcounting frees
+    # them): the cyclic collector would only re-walk the auditor's growing state, so it is off for
+    # the length of the audit.
+    gc.freeze()
+    gc.disable()
     records: list[Record] = []
-    if args.html:
-        records = await _records(args)
-        report = audit_records(records, final=not args.not_final)
-    else:
-        report = await _audit_streaming(args)
+    try:
+        if args.html:
+            records = await _records(args)
+            report = audit_records(records, final=not args.not_final)
+        else:
+            report = await _audit_streaming(args)
+    finally:
+        gc.enable()
     seconds = time.perf_counter() - start
     if args.html:
         from services.cli.report import write_html
