@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import msgspec
 import nats.errors
+import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
@@ -34,6 +35,7 @@ from shared.schema import (
     Input,
     LogEntry,
     Placed,
+    Rebuilt,
     Skipped,
     TimerArmed,
     WriteRequested,
@@ -115,21 +117,32 @@ class Partition:
 
     # ----------------------------------------------------------------------------- loading
     async def load(self) -> None:
-        """Snapshot rows, then every log entry of this partition after the snapshot's watermark."""
+        """Snapshot rows, then every log entry of this partition after the snapshot's watermark.
+
+        A row is never trusted over the log: a row whose entries the log no longer holds (the log
+        lost its tail, e.g. restored from an older copy) or whose positions the log fills with other
+        entries is re-read from the log, and rebuilt if the log does not account for what it saw."""
         watermark = 0
+        unbacked: dict[str, KeyState] = {}  # rows the log does not back, with what they had seen
         if self.snapshots is not None:
             watermark, rows = await self.snapshots.load_partition(self.p)
             for key, (state, seq) in rows.items():
                 self.keys[key] = KeySlot(state, seq)
                 self._max_seen = max(self._max_seen, seq)
+            for key in await self._rows_ahead_of_log(rows):
+                unbacked[key] = self.keys[key].state
         self._max_seen = max(self._max_seen, watermark)
         caught = 0
         async for msg in read_stream(
             self.js, self.subjects.stream_log, self.subjects.log_partition(self.p), start_seq=watermark + 1
         ):
             entry = decode_entry(msg.data)
+            if entry.key in unbacked:
+                continue
             slot = self._slot(entry.key)
             if entry.n <= slot.state.n:
+                if msg.seq > slot.last_seq:
+                    unbacked[entry.key] = slot.state  # the row's positions hold other entries now
                 continue
             if entry.n != slot.state.n + 1:
                 log.error(
@@ -143,9 +156,14 @@ class Partition:
             self._max_seen = max(self._max_seen, msg.seq)
             caught += 1
         self.stats["caught_up"] = caught
+        for key, known in unbacked.items():
+            slot = self.keys[key]
+            floor = await self._reload(slot, full=True)
+            if _lost(known, floor):
+                await self._rebuild(slot, known)  # submits the rebuilt key's outbox
         # the outbox: effects decided but maybe not carried out before a crash or handover
         for key, slot in self.keys.items():
-            if slot.state.outbox:
+            if slot.state.outbox and key not in unbacked:
                 self.effects.submit_all(key, list(slot.state.outbox.values()))
 
     def _slot(self, key: str) -> KeySlot:
@@ -154,22 +172,52 @@ class Partition:
             slot = self.keys[key] = KeySlot(KeyState(key=key))
         return slot
 
-    async def _reload(self, slot: KeySlot, *, full: bool = False) -> None:
-        """Re-read one key's log (after a lost race, or from scratch if ours is not a prefix)."""
+    async def _reload(self, slot: KeySlot, *, full: bool = False) -> int | None:
+        """Re-read one key's log (after a lost race, or from scratch if ours is not a prefix).
+        None if ours was a prefix of the log; else it was re-read from scratch, and the highest
+        ``Rebuilt.epoch_floor`` the log holds is returned (-1: none)."""
         key = slot.state.key
         subject = self.subjects.log(_key(key))
+        floor = -1
         if full:
             slot.state, slot.last_seq = KeyState(key=key), 0
         async for msg in read_subject(self.js, self.subjects.stream_log, subject, after_seq=slot.last_seq):
             entry = decode_entry(msg.data)
             if entry.n != slot.state.n + 1:
                 if not full:
-                    await self._reload(slot, full=True)
-                    return
+                    return await self._reload(slot, full=True)
                 log.error("gap in log of %s at entry %d", key, entry.n, extra={"key": key})
+            for d in entry.decisions:
+                if isinstance(d, Rebuilt):
+                    floor = max(floor, d.epoch_floor)
             fold_all(slot.state, entry.decisions)
             slot.state.n, slot.last_seq, slot.dirty = entry.n, msg.seq, True
             self._max_seen = max(self._max_seen, msg.seq)
+        return floor if full else None
+
+    async def _rows_ahead_of_log(self, rows: dict[str, tuple[KeyState, int]]) -> list[str]:
+        """Snapshot rows that have folded more entries than their key's log holds. One request for
+        the partition's per-subject counts; a key missing from the answer is asked for alone."""
+        counts: dict[str, int] = {}
+        with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            stream, subjects = self.subjects.stream_log, self.subjects.log_partition(self.p)
+            info = await self.js.stream_info(stream, subjects_filter=subjects)
+            counts = info.state.subjects or {}
+        ahead = []
+        for key, (state, last_seq) in rows.items():
+            subject = self.subjects.log(_key(key))
+            if counts.get(subject, 0) >= state.n:
+                continue
+            # fewer entries than the row folded (or not in the answer): is the row's last one there?
+            # (with a log max age, old entries of a key may have aged out below a healthy tail)
+            try:
+                last = await self.js.get_last_msg(self.subjects.stream_log, subject)
+                if last.seq is not None and last.seq >= last_seq:
+                    continue
+            except nats.js.errors.NotFoundError:
+                pass
+            ahead.append(key)
+        return ahead
 
     # ------------------------------------------------------------------------ consuming
     async def run(self) -> None:
@@ -290,9 +338,8 @@ class Partition:
                 self.stats["lost_races"] += 1
                 log.info("lost append race; re-reading key", extra={"key": key, "partition": self.p})
                 full = race.actual_last_seq is None or race.actual_last_seq < slot.last_seq
-                known = slot.state
-                await self._reload(slot, full=full)
-                if slot.state.n < known.n:
+                known = _copy_state(slot.state)
+                if _lost(known, await self._reload(slot, full=full)):
                     await self._rebuild(slot, known)
                 continue
             metrics.INPUTS.labels(kind, "decided").inc()
@@ -401,6 +448,12 @@ class Partition:
         rows, watermark = self.snapshot_rows()
         if rows or watermark:
             await self.snapshots.save(self.p, rows, watermark)
+
+
+def _lost(known: KeyState, floor: int | None) -> bool:
+    """A re-read log (``floor`` from ``_reload``) lost entries this writer had folded, and no
+    ``Rebuilt`` in it already accounts for every epoch the writer knew."""
+    return floor is not None and known.n > 0 and floor < known.epoch
 
 
 def _copy_state(state: KeyState) -> KeyState:
