@@ -220,8 +220,8 @@ class BusProxy:
                     if self.rng.random() < w.publish_replayed:
                         delay = self.rng.uniform(*w.replay_after_s)
                         self._replays.put_nowait((time.monotonic() + delay, without_reply(frame)))
-            elif self.rng.random() < self.weather.connection_reset:
-                self._hit("connection_reset")
+            if self.rng.random() < self.weather.connection_reset:
+                self._hit("connection_reset")  # before it is forwarded: the client may retry it
                 return
             writer.write(frame.raw)
             await writer.drain()

@@ -43,6 +43,7 @@ PARTITIONS = 4
 DEDUPE_WINDOW_S = 2.0  # short, so that the proxies' late replays land after it (fault 22)
 ACK_WAIT_S = 2.0  # lost deliveries and acks come back within a seed
 CUT_S = (0.5, 2.0, 7.0)  # the last is longer than the lease TTL (3 s) and the host staleness (5 s)
+STORM_TAIL_S = 2.0  # the bus weather lasts this long after the last step: the stack is busiest then
 
 
 class _Oracle:
@@ -144,6 +145,7 @@ async def _seed(
             elif roll < 0.89:
                 proxies[rng.choice(sorted(proxies))].cut(rng.choice(CUT_S))
             await asyncio.sleep(rng.random() * 0.05)
+    await asyncio.sleep(STORM_TAIL_S)  # the stack works through the seed's churn under the weather
     api.faults.set_stale(events=0)
     for proxy in proxies.values():
         proxy.set_weather(seed, CALM)
