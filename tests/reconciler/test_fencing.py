@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
 from services.reconciler.effects import EffectRunner
 from services.reconciler.kube import NullGateway
 from services.reconciler.partition import Partition
+from services.reconciler.snapshot import SnapshotStore
 from shared.audit import audit
 from shared.bus import Bus, StreamsConfig, provision, read_stream
 from shared.decide import DecideEnv, HostView
@@ -121,3 +123,74 @@ async def test_a_lost_log_tail_on_the_stream_is_rebuilt_and_surveyed(bus: Bus) -
     surveys = [d.command for e in entries for d in e.decisions if isinstance(d, Commanded) and d.command.op == "survey"]
     assert {c.host for c in surveys} == {"host-a"} and part.keys[str(key)].state.rebuilding
     assert part.keys[str(key)].state.epoch > known_epoch
+
+
+def _snap_partition(bus: Bus, writer: str, gateway: NullGateway, snapshots: SnapshotStore) -> Partition:
+    effects = EffectRunner(bus.js, bus.subjects, gateway)
+    return Partition(
+        0, js=bus.js, subjects=bus.subjects, writer=writer, effects=effects, snapshots=snapshots,
+        env=lambda: ENV, confirm=gateway.confirm,
+    )
+
+
+async def _store(path: Path) -> SnapshotStore:
+    store = SnapshotStore(str(path))
+    await store.open(stream_identity="test")
+    return store
+
+
+async def test_a_snapshot_ahead_of_a_cut_log_never_wins_at_load(bus: Bus, tmp_path: Path) -> None:
+    from shared.schema import Commanded, Rebuilt
+
+    gateway = NullGateway()
+    key = Key("pod", "default", "snap.ahead")
+    gateway.objects[str(key)] = ("uid-1", 1, Spec())
+    store = await _store(tmp_path / "snap.sqlite")
+    first = _snap_partition(bus, "writer", gateway, store)
+    await first.load()
+    assert await first.feed(str(key), Observed(str(key), "uid-1", 1))
+    assert await first.feed(str(key), Observed(str(key), "uid-1", 2, spec=Spec(cpus=2)))
+    known = first.keys[str(key)].state
+    await first.flush()  # the row holds both entries
+    last = (await log_entries(bus))[-1][0]
+    await bus.js.delete_msg(bus.subjects.stream_log, last)  # the log is restored from an older copy
+    again = _snap_partition(bus, "writer", gateway, store)  # the writer restarts from its snapshot
+    await again.load()
+    entries = [e for _, e in await log_entries(bus)]
+    assert [e.n for e in entries] == [1, 2]
+    assert isinstance(entries[1].decisions[0], Rebuilt) and entries[1].decisions[0].epoch_floor >= known.epoch
+    surveys = [d for d in entries[1].decisions if isinstance(d, Commanded) and d.command.op == "survey"]
+    state = again.keys[str(key)].state
+    assert surveys and state.rebuilding and state.epoch > known.epoch and state.n == 2
+    await store.close()
+
+
+async def test_a_snapshot_row_whose_positions_the_log_refilled_is_reread_not_trusted(bus: Bus, tmp_path: Path) -> None:
+    from shared.schema import Rebuilt
+
+    gateway = NullGateway()
+    key = Key("pod", "default", "snap.diverged")
+    gateway.objects[str(key)] = ("uid-1", 1, Spec())
+    one, two = await _store(tmp_path / "one.sqlite"), await _store(tmp_path / "two.sqlite")
+    w1 = _snap_partition(bus, "w1", gateway, one)
+    await w1.load()
+    assert await w1.feed(str(key), Observed(str(key), "uid-1", 1))
+    assert await w1.feed(str(key), Observed(str(key), "uid-1", 2, spec=Spec(cpus=2)))
+    await w1.flush()
+    w2 = _snap_partition(bus, "w2", gateway, two)  # held the partition for a while: same rows
+    await w2.load()
+    await w2.flush()
+    last = (await log_entries(bus))[-1][0]
+    await bus.js.delete_msg(bus.subjects.stream_log, last)
+    # w1 comes back first: rebuilds, and the key goes on (the positions w2's row knows are refilled)
+    w1 = _snap_partition(bus, "w1", gateway, one)
+    await w1.load()
+    assert await w1.feed(str(key), Observed(str(key), "uid-1", 3, spec=Spec(cpus=3)))
+    # then w2 takes the partition with its row: same n as some log entry, a different history
+    w2 = _snap_partition(bus, "w2", gateway, two)
+    await w2.load()
+    entries = [e for _, e in await log_entries(bus)]
+    assert sum(isinstance(d, Rebuilt) for e in entries for d in e.decisions) == 1, "rebuilt twice"
+    assert w2.keys[str(key)].state == w1.keys[str(key)].state, "w2 trusted its diverged row"
+    await one.close()
+    await two.close()
