@@ -596,21 +596,25 @@ def _deep_size(roots: list[Any]) -> tuple[int, dict[str, int]]:
             d = getattr(obj, "__dict__", None)
             if d is not None:
                 stack.append(d)
+            for name in getattr(type(obj), "__slots__", ()):
+                if hasattr(obj, name):
+                    stack.append(getattr(obj, name))
         elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("collections"):
             stack.append(obj.__dict__)
     return total, by_type
 
 
-def state_child_main(url: str, keys: int, data_dir: str, rec_id: str, partitions: int) -> None:
+def state_child_main(url: str, keys: int, data_dir: str, rec_id: str, partitions: int, wave: int = 0) -> None:
     """A reconciler in this (child) process with NullGateway objects for `keys` pods. Prints one
     JSON line per phase on stdout: `empty` (ready, no keys), then `loaded` (every key bound and idle),
     then stops (its snapshot is flushed on release) and exits."""
     import uvloop
 
-    uvloop.run(_state_child(url, keys, data_dir, rec_id, partitions))
+    uvloop.run(_state_child(url, keys, data_dir, rec_id, partitions, wave))
 
 
-async def _state_child(url: str, keys: int, data_dir: str, rec_id: str, partitions: int) -> None:
+async def _state_child(url: str, keys: int, data_dir: str, rec_id: str, partitions: int, wave: int = 0) -> None:
+    from services.cli.bench import idle_bound_keys
     from services.reconciler.config import ReconcilerConfig
     from services.reconciler.kube import NullGateway
     from services.reconciler.service import Reconciler
@@ -619,6 +623,14 @@ async def _state_child(url: str, keys: int, data_dir: str, rec_id: str, partitio
     from shared.subjects import Key, Subjects
 
     def say(**kw: Any) -> None:
+        if os.environ.get("VMFENCE_BENCH_MEM_DIAG"):  # where the bytes are: objects by type, heap blocks
+            counts: dict[str, int] = {}
+            for obj in gc.get_objects():
+                counts[type(obj).__name__] = counts.get(type(obj).__name__, 0) + 1
+            kw["gc_objects"] = dict(sorted(counts.items(), key=lambda kv: -kv[1])[:25])
+            kw["allocated_blocks"] = sys.getallocatedblocks()
+            with open("/proc/self/status") as f:
+                kw["proc"] = {ln.split(":")[0]: ln.split()[1] for ln in f if ln.startswith(("VmHWM", "VmRSS"))}
         sys.stdout.write(json.dumps(kw) + "\n")
         sys.stdout.flush()
 
@@ -653,33 +665,39 @@ async def _state_child(url: str, keys: int, data_dir: str, rec_id: str, partitio
         say(phase="empty", rss=rss_bytes(os.getpid()))
         t0 = time.perf_counter()
         window: list[asyncio.Future[Any]] = []
-        for i, key in enumerate(pods):
-            obs = Observed(str(key), f"uid-{i:08d}", 1)
-            window.append(await bus.js.publish_async(subjects.observation(key), encode(obs),
-                                                     headers={"Nats-Msg-Id": f"uid-{i:08d}:1"}))
-            if len(window) >= 1024:
-                await asyncio.wait_for(asyncio.gather(*window), 60)
-                window.clear()
-        await asyncio.wait_for(asyncio.gather(*window), 60)
-        window.clear()
+        step = wave or keys
         deadline = time.monotonic() + max(300.0, keys / 50)
-        while True:
-            idle = sum(1 for part in rec.partitions.values() for slot in part.keys.values()
-                       if slot.state.cur is not None and slot.state.cur.bound and not slot.state.outbox)
-            if idle >= keys:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"only {idle}/{keys} keys idle")
-            await asyncio.sleep(0.1)
+        for lo in range(0, keys, step):
+            hi = min(keys, lo + step)
+            for i in range(lo, hi):
+                obs = Observed(str(pods[i]), f"uid-{i:08d}", 1)
+                window.append(await bus.js.publish_async(subjects.observation(pods[i]), encode(obs),
+                                                         headers={"Nats-Msg-Id": f"uid-{i:08d}:1"}))
+                if len(window) >= 1024:
+                    await asyncio.wait_for(asyncio.gather(*window), 60)
+                    window.clear()
+            await asyncio.wait_for(asyncio.gather(*window), 60)
+            window.clear()
+            while True:
+                idle = idle_bound_keys(rec)
+                if idle >= hi:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"only {idle}/{hi} keys idle")
+                await asyncio.sleep(0.05)
         seconds = time.perf_counter() - t0
         await asyncio.sleep(1.0)
+        if (bound := idle_bound_keys(rec, verify=True)) < keys:
+            raise RuntimeError(f"only {bound}/{keys} idle keys are bound")
         gc.collect()
         slots = [slot for part in rec.partitions.values() for slot in part.keys.values()]
         sample = slots[: min(2000, len(slots))]
         deep, by_type = _deep_size(sample)
+        unpacked, _ = _deep_size([slot.peek() for slot in sample])  # the same keys as live objects
         decisions = sum(p.stats["decisions"] for p in rec.partitions.values())
         say(phase="loaded", rss=rss_bytes(os.getpid()), keys=len(slots), seconds=seconds, decisions=decisions,
             deep_bytes_per_key=deep / max(1, len(sample)),
+            deep_unpacked_bytes_per_key=unpacked / max(1, len(sample)),
             deep_by_type={k: round(v / max(1, len(sample)), 1) for k, v in
                           sorted(by_type.items(), key=lambda kv: -kv[1])[:12]})
         rec.stop()
@@ -688,7 +706,9 @@ async def _state_child(url: str, keys: int, data_dir: str, rec_id: str, partitio
     await bus.close()
 
 
-async def _fill_log(keys: int, tmp: str, partitions: int, rec_id: str) -> tuple[Any, list[dict[str, Any]]]:
+async def _fill_log(
+    keys: int, tmp: str, partitions: int, rec_id: str, wave: int = 0
+) -> tuple[Any, list[dict[str, Any]]]:
     """A nats-server, fake agents and a state child that takes `keys` pods to bound; returns the
     running server and the child's phase lines. The caller stops the server."""
     from shared.bus import Bus, StreamsConfig, provision
@@ -709,7 +729,7 @@ async def _fill_log(keys: int, tmp: str, partitions: int, rec_id: str) -> tuple[
         child = await asyncio.create_subprocess_exec(
             sys.executable, "-c",
             f"from services.cli.benchall import state_child_main; "
-            f"state_child_main({server.url!r}, {keys}, {os.path.join(tmp, 'rec')!r}, {rec_id!r}, {partitions})",
+            f"state_child_main({server.url!r}, {keys}, {os.path.join(tmp, 'rec')!r}, {rec_id!r}, {partitions}, {wave})",
             stdout=subprocess.PIPE, cwd=ROOT,
         )  # fmt: skip
         assert child.stdout is not None
@@ -736,6 +756,7 @@ async def memory_figure(keys: int, tmp: str) -> dict[str, Any]:
         "rss_loaded_mib": round(loaded["rss"] / 2**20, 1),
         "bytes_per_idle_key": round(per_key),
         "python_deep_bytes_per_key": round(loaded["deep_bytes_per_key"]),
+        "python_deep_bytes_per_key_unpacked": round(loaded["deep_unpacked_bytes_per_key"]),
         "python_bytes_per_key_by_type": loaded["deep_by_type"],
         "fill_seconds": round(loaded["seconds"], 2),
         "fill_decisions_per_s": round(loaded["decisions"] / loaded["seconds"], 1),

@@ -13,7 +13,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import msgspec
 import nats.errors
@@ -22,6 +21,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from services.reconciler.effects import EffectRunner
+from services.reconciler.keytable import KeySlot
 from services.reconciler.snapshot import SnapshotStore
 from shared import metrics
 from shared.bus import LostRace, dead_letter, fenced_append, read_stream, read_subject
@@ -55,25 +55,6 @@ MAX_RACE_RETRIES = 8  # lost races on one input before giving up (and not acking
 FETCH_TIMEOUT_S = 1.0
 CONFIRM_INLINE_TIMEOUT_S = 5.0
 CONSUMER_RESTART_S = 0.5
-
-
-@dataclass(slots=True)
-class KeySlot:
-    state: KeyState
-    last_seq: int = 0  # stream sequence of the key's last log entry (0: none)
-    dirty: bool = False
-    _lock: asyncio.Lock | None = None  # only while inputs of the key are in flight (memory per idle key)
-
-    @property
-    def lock(self) -> asyncio.Lock:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        return self._lock
-
-    def release_idle_lock(self) -> None:
-        lock = self._lock
-        if lock is not None and not lock.locked() and not getattr(lock, "_waiters", None):
-            self._lock = None
 
 
 def _input_kind(inp: Input) -> str:
@@ -223,6 +204,8 @@ class Partition:
     async def run(self) -> None:
         """Consume until the lease is gone; bus trouble (leader elections, reconnects) restarts
         the consumer after a pause instead of ending the partition."""
+        for slot in self.keys.values():
+            slot.release_idle()  # keys loaded with nothing in flight are held packed
         while self.held:
             try:
                 await self._consume()
@@ -292,7 +275,7 @@ class Partition:
             if not self.held:
                 return  # not acked: the partition's next owner gets it
             done = await self._process(slot, inp, msg)
-        slot.release_idle_lock()
+        slot.release_idle()
         if done:
             with contextlib.suppress(nats.errors.Error):
                 await msg.ack()
@@ -306,7 +289,7 @@ class Partition:
             if not self.held:
                 return False
             done = await self._process(slot, inp, None)
-        slot.release_idle_lock()
+        slot.release_idle()
         return done
 
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
@@ -438,7 +421,7 @@ class Partition:
         rows: list[tuple[str, int, bytes]] = []
         for key, slot in self.keys.items():
             if slot.dirty:
-                rows.append((key, slot.last_seq, encode_state(slot.state)))
+                rows.append((key, slot.last_seq, slot.encoded()))
                 slot.dirty = False
         return rows, watermark
 
