@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.decide import DecideEnv, HostView, decide
+from shared.decide import DecideEnv, HostView, decide, rebuild
 from shared.schema import (
     Command,
     Commanded,
@@ -11,6 +11,7 @@ from shared.schema import (
     ConfirmRequested,
     Decision,
     Input,
+    Inventoried,
     LogEntry,
     Observed,
     Spec,
@@ -80,3 +81,26 @@ class Driver:
 
 def of(decisions: list[Decision], kind: type) -> list:  # type: ignore[type-arg]
     return [d for d in decisions if isinstance(d, kind)]
+
+
+def lose_tail(d: Driver, keep: int) -> KeyState:
+    """The key's log keeps its first ``keep`` entries (restored from an older copy); the writer,
+    which knew more, appends ``Rebuilt``. Returns what the writer knew."""
+    known = d.state
+    d.log = d.log[:keep]
+    d.state = KeyState(key=d.key)
+    for entry in d.log:
+        fold_all(d.state, entry.decisions)
+        d.state.n = entry.n
+    out = rebuild(d.state, known.epoch, d.env, "tail lost")
+    fold_all(d.state, out)
+    d.state.n += 1
+    d.log.append(LogEntry(d.key, d.state.n, out))
+    return known
+
+
+def answer_surveys(d: Driver, found: dict[str, list[Inventoried]]) -> list:  # type: ignore[type-arg]
+    out = []
+    for s in d.commands("survey"):
+        out += d.answer(s, found=found.get(s.host, []))
+    return out

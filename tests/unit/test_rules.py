@@ -34,7 +34,7 @@ from shared.schema import (
     WriteRequested,
 )
 from shared.state import KeyState, fold_all
-from tests.unit.driver import KEY, Driver, of
+from tests.unit.driver import KEY, Driver, answer_surveys, lose_tail, of
 
 
 def test_rule2_claim_before_bring_up() -> None:
@@ -394,40 +394,14 @@ def test_a_vm_adopted_while_it_was_down_is_restarted_under_the_new_fence() -> No
 # ------------------------------------------- a lost log tail, found by tests/e2e/test_tail_loss.py
 
 
-def _lose_tail(d: Driver, keep: int) -> KeyState:
-    """The key's log keeps its first ``keep`` entries (restored from an older copy); the writer,
-    which knew more, appends ``Rebuilt``. Returns what the writer knew."""
-    from shared.decide import rebuild
-    from shared.schema import LogEntry
-
-    known = d.state
-    d.log = d.log[:keep]
-    d.state = KeyState(key=KEY)
-    for entry in d.log:
-        fold_all(d.state, entry.decisions)
-        d.state.n = entry.n
-    out = rebuild(d.state, known.epoch, d.env, "tail lost")
-    fold_all(d.state, out)
-    d.state.n += 1
-    d.log.append(LogEntry(KEY, d.state.n, out))
-    return known
-
-
-def _answer_surveys(d: Driver, found: dict[str, list[Inventoried]]) -> list:  # type: ignore[type-arg]
-    out = []
-    for s in d.commands("survey"):
-        out += d.answer(s, found=found.get(s.host, []))
-    return out
-
-
 def test_a_delete_during_a_rebuild_keeps_the_object_until_the_surveyed_vm_is_removed() -> None:
     d = Driver()
     c1 = d.run_up("u1")
-    _lose_tail(d, keep=2)  # observed, admitted (create commanded)
+    lose_tail(d, keep=2)  # observed, admitted (create commanded)
     # the pod is being deleted; the rebuilt log knows no VM yet, the hosts have not answered
     out = d.feed(Observed(KEY, "u1", d.next_rv(), deleting=True))
     assert of(out, DeleteClaimed) and d.writes("delete") == [], "object deleted before the survey"
-    _answer_surveys(d, {c1.host: [Inventoried(c1.fence, c1.host, c1.vm_id, "running")]})
+    answer_surveys(d, {c1.host: [Inventoried(c1.fence, c1.host, c1.vm_id, "running")]})
     (remove,) = d.commands("remove")
     assert remove.vm_id == c1.vm_id and remove.fence == c1.fence
     assert d.writes("delete") == [], "object deleted while its VM is still being removed"
@@ -440,10 +414,10 @@ def test_on_recreate_adopt_after_a_lost_tail_adopts_the_predecessors_surveyed_vm
     for policy in ("adopt", "replace"):
         d = Driver()
         c1 = d.run_up("u1")
-        _lose_tail(d, keep=2)  # observed, admitted (create commanded)
+        lose_tail(d, keep=2)  # observed, admitted (create commanded)
         d.admit("u2", Spec(on_recreate=policy))  # recreated under the name while the log was cut
         assert d.commands("create") == []
-        _answer_surveys(d, {c1.host: [Inventoried(c1.fence, c1.host, c1.vm_id, "running")]})
+        answer_surveys(d, {c1.host: [Inventoried(c1.fence, c1.host, c1.vm_id, "running")]})
         if policy == "adopt":
             (adopt,) = d.commands("adopt")
             assert adopt.vm_id == c1.vm_id and adopt.fence.uid == "u2"
