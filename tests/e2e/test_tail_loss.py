@@ -16,7 +16,7 @@ import pytest
 
 from shared.bus import PartitionLease, read_subject
 from shared.schema import Admitted, Commanded, Fence, LogEntry, Rebuilt, decision_name, decode_entry
-from shared.subjects import Key
+from shared.subjects import Key, partition_of
 from tests.e2e.conftest import NS, Env
 
 STOP_S = 20.0
@@ -93,6 +93,19 @@ async def _watch_pod_outliving_its_vm(env: Env, name: str, found: list[str]) -> 
 @pytest.mark.parametrize("on_recreate", ["replace", "adopt"])
 async def test_a_lost_log_tail_is_rebuilt_from_the_agents_and_kubernetes(env: Env, on_recreate: str) -> None:
     names = ("tail-a", "tail-b", "tail-c")
+    both = set(env.stack.recs)
+
+    async def shared_by_both() -> bool:
+        return set((await _holders(env)).values()) == both
+
+    await env.wait_for("partitions shared by both reconcilers", shared_by_both)
+    # the reconciler holding tail-a's partition will come back last, with a row for tail-a of a
+    # history the log no longer has (it gets the same partition back: the highest are handed over)
+    p_a = partition_of(Key("pod", NS, "tail-a"), env.stack.partitions)
+    assert p_a == env.stack.partitions - 1, "tail-a must sit in the last partition"
+    last = (await _holders(env))[p_a]
+    assert last is not None
+    first = next(r for r in both if r != last)
     uids = {n: await env.create(n) for n in names}
     vm_of: dict[str, str] = {}
     host_of: dict[str, str] = {}
@@ -107,14 +120,14 @@ async def test_a_lost_log_tail_is_rebuilt_from_the_agents_and_kubernetes(env: En
 
     # one reconciler takes every partition and stops cleanly: its snapshot holds every key at the
     # end of the log, which is ahead of the log once its tail is cut
-    await _stop_reconciler(env, "reconciler-2")
+    await _stop_reconciler(env, last)
 
     async def one_owner() -> bool:
-        return set((await _holders(env)).values()) == {"reconciler-1"}
+        return set((await _holders(env)).values()) == {first}
 
-    await env.wait_for("reconciler-1 holding every partition", one_owner)
+    await env.wait_for(f"{first} holding every partition", one_owner)
     await env.settle()
-    await _stop_reconciler(env, "reconciler-1")
+    await _stop_reconciler(env, first)
 
     # the stream loses the tail of each key's log: everything after its admission (the VM was
     # commanded; that it was made, bound and reported ready is lost)
@@ -133,8 +146,8 @@ async def test_a_lost_log_tail_is_rebuilt_from_the_agents_and_kubernetes(env: En
     ann = {"vmfence.io/on-recreate": "adopt"} if on_recreate == "adopt" else None
     uid_c2 = await env.create("tail-c", ann)
 
-    env.stack.start_reconciler("reconciler-1")
-    await env.stack.wait_reconciler_ready("reconciler-1")
+    env.stack.start_reconciler(first)
+    await env.stack.wait_reconciler_ready(first)
 
     # tail-a: untouched in Kubernetes: its VM is surveyed and adopted under a new epoch, never made
     # again (the agent's ledger, not vmfence's state, says who owns it)
@@ -154,15 +167,16 @@ async def test_a_lost_log_tail_is_rebuilt_from_the_agents_and_kubernetes(env: En
     await asyncio.wait_for(watch_b, 5)
     assert outlived == [], outlived
 
-    # the second reconciler comes back with its own snapshot (rows of a history the log no longer
-    # has) and takes half of the partitions
-    env.stack.start_reconciler("reconciler-2")
-    await env.stack.wait_reconciler_ready("reconciler-2")
+    # the other reconciler comes back with its own snapshot (rows of a history the log no longer
+    # has) and takes the upper half of the partitions, tail-a's among them
+    env.stack.start_reconciler(last)
+    await env.stack.wait_reconciler_ready(last)
 
-    async def two_owners() -> bool:
-        return set((await _holders(env)).values()) == {"reconciler-1", "reconciler-2"}
+    async def a_moved_back() -> bool:
+        holders = await _holders(env)
+        return set(holders.values()) == both and holders[p_a] == last
 
-    await env.wait_for("partitions shared again", two_owners)
+    await env.wait_for(f"partitions shared again, tail-a's by {last}", a_moved_back)
     report = await env.audit()  # clean to the end, and never two VMs for a key at any sample
     logs = {n: await _log_of(env, n) for n in names}
     trail = "\n".join(f"{n}:\n{_summary(log)}" for n, log in logs.items())
@@ -187,7 +201,8 @@ async def test_a_lost_log_tail_is_rebuilt_from_the_agents_and_kubernetes(env: En
         assert rebuilt[0].epoch_floor >= known_epoch[n]
     assert report.vms_bound_live == 2, trail
 
-    # the rebalanced reconcilers go on from the rebuilt logs: a delete of tail-a removes its VM
+    # the reconciler that loaded its diverged row goes on from the rebuilt log: a delete of tail-a
+    # removes the VM under its real owner
     await env.core.delete_namespaced_pod("tail-a", NS)
     await env.wait_gone("tail-a")
     assert await env.vms("tail-a") == []
