@@ -15,7 +15,8 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -28,7 +29,7 @@ from services.reconciler.kube import KubeGateway
 from services.reconciler.partition import Partition
 from services.reconciler.snapshot import SnapshotStore
 from shared import metrics
-from shared.bus import Bus, LeaseLost, PartitionLease, StreamsConfig, provision
+from shared.bus import Bus, LeaseLost, PartitionLease, ProvisionFailed, StreamsConfig, backoff_delay, provision
 from shared.decide import DecideEnv
 from shared.httpserve import HealthServer
 from shared.logs import setup_logging
@@ -36,6 +37,11 @@ from shared.schema import Input
 from shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class StoppedDuringStartup(Exception):
+    """SIGTERM arrived while JetStream was still being waited for."""
 
 MEMBER_PREFIX = "member."
 FLEET_LEASE = "fleet"
@@ -97,11 +103,9 @@ class Reconciler:
             user=cfg.nats_user, password=cfg.nats_password, creds=cfg.nats_creds,
         )
         try:
-            await provision(
-                bus.js, self.subjects,
-                StreamsConfig(replicas=cfg.replicas, partitions=cfg.partitions, lease_ttl_s=cfg.lease_ttl_s),  # type: ignore[arg-type]
-            )
-            info = await bus.js.stream_info(self.subjects.stream_log)
+            streams = StreamsConfig(replicas=cfg.replicas, partitions=cfg.partitions, lease_ttl_s=cfg.lease_ttl_s)  # type: ignore[arg-type]
+            await self._until_done("provision the streams", lambda: provision(bus.js, self.subjects, streams))
+            info = await self._until_done("read the log stream", lambda: bus.js.stream_info(self.subjects.stream_log))
             identity = f"{info.config.name}:{info.created}" if hasattr(info, "created") else info.config.name or ""
             self.snapshots = SnapshotStore(os.path.join(cfg.data_dir, f"snapshot-{self.safe_id()}.sqlite"))
             await self.snapshots.open(stream_identity=str(identity))
@@ -109,8 +113,8 @@ class Reconciler:
             self.effects = EffectRunner(
                 bus.js, self.subjects, gateway, workers=cfg.effect_workers, owns=self.owns, feed=self._feed
             )
-            leases_kv = await bus.js.key_value(self.subjects.kv_leases)
-            hosts_kv = await bus.js.key_value(self.subjects.kv_hosts)
+            leases_kv = await self._until_done("open the leases", lambda: bus.js.key_value(self.subjects.kv_leases))
+            hosts_kv = await self._until_done("open the hosts", lambda: bus.js.key_value(self.subjects.kv_hosts))
             if self._health_enabled:
                 self.health = HealthServer(host=cfg.http_host, port=cfg.http_port, ready=self.ready.is_set)
                 await self.health.start()
@@ -140,6 +144,25 @@ class Reconciler:
             if self.snapshots is not None:
                 await self.snapshots.close()
             await bus.close()
+
+    async def _until_done(self, what: str, step: Callable[[], Awaitable[T]]) -> T:
+        """A startup step against JetStream, retried while it is slow or away (a lost answer, a
+        leader election, a cut link): a reconciler that exits here would only be restarted into the
+        same wait. Not ready meanwhile; SIGTERM still ends it."""
+        attempt = 0
+        while True:
+            try:
+                return await step()
+            except (ProvisionFailed, nats.errors.Error, TimeoutError) as exc:
+                if self._stop.is_set():
+                    raise StoppedDuringStartup from exc
+                delay = backoff_delay(attempt)
+                attempt += 1
+                log.warning("could not %s (%r); retrying in %.1fs", what, exc, delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), delay)
+                if self._stop.is_set():
+                    raise StoppedDuringStartup from exc
 
     def safe_id(self) -> str:
         return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in self.writer)
@@ -316,6 +339,8 @@ async def _main(cfg: ReconcilerConfig) -> int:
         loop.add_signal_handler(sig, rec.stop)
     try:
         await rec.run()
+    except StoppedDuringStartup:
+        log.info("stopped before the reconciler was ready")
     except (OSError, nats.errors.NoServersError) as exc:
         print(f"vmfence reconciler: cannot reach NATS at {','.join(cfg.nats_url)}: {exc}", file=sys.stderr)
         return 1
