@@ -141,6 +141,13 @@ class _Run:
 def decide(state: KeyState, inp: Input, env: DecideEnv | None = None) -> list[Decision]:
     """Decisions for one input. ``state`` is not modified (a copy is folded)."""
     run = _Run(_copy(state), env or DecideEnv())
+    seen = agent_epoch(state, inp)
+    if seen > state.epoch:
+        # an agent holds a fence of this key newer than any the log ever assigned: the log lost
+        # entries that no reconciler saw (all restarted without their data, or from a snapshot older
+        # than the cut). Rebuild as for a detected cut; the survey rediscovers what this input said.
+        _rebuild(run, seen, f"an agent holds epoch {seen} of the key; the log knows only {state.epoch}")
+        return run.out
     match inp:
         case Observed():
             _on_observed(run, inp)
@@ -228,10 +235,16 @@ def _spec_change(run: _Run, cur: Incarnation, spec: Spec, rv: int, invalid: str 
 
 
 def _on_confirmed(run: _Run, r: ConfirmedRead) -> None:
+    if not isinstance(run.s.outbox.get(r.request), ConfirmRequested):
+        return  # a redelivered read
+    _confirmed(run, r)
+    _collect_discovered(run)
+
+
+def _confirmed(run: _Run, r: ConfirmedRead) -> None:
     s = run.s
     asked = s.outbox.get(r.request)
-    if not isinstance(asked, ConfirmRequested):
-        return  # a redelivered read
+    assert isinstance(asked, ConfirmRequested)
     run.add(Done(r.request, "confirmed" if r.uid else "absent"))
     seen = asked.seen_uid
     if seen != r.uid and not s.is_tombstoned(seen) and (s.cur is None or s.cur.fence.uid != seen):
@@ -267,13 +280,20 @@ def _admit(run: _Run, r: ConfirmedRead) -> None:
         _event(run, prev.fence, "Superseded", f"replaced by incarnation {r.uid}", warning=False)
         if r.spec.on_recreate == "adopt" and not r.deleting and prev.vm_id in s.vms and prev.bound:
             adopt_vm = prev.vm_id
+    if adopt_vm is None and not r.deleting and r.invalid is None:
+        # a VM known only from an agent (a lost log tail), waiting for this read: the admitted
+        # incarnation's own, or with on-recreate adopt its predecessor's, is adopted (rule 8)
+        found = [rec for rec in s.vms.values() if rec.state == "discovered"]
+        own = [rec for rec in found if rec.fence.uid == r.uid]
+        if own or (r.spec.on_recreate == "adopt" and len(found) == 1 and len(s.vms) == 1):
+            adopt_vm = (own or found)[0].vm_id
     fence = Fence(s.key, r.uid, s.epoch + 1)
     run.add(Admitted(fence, r.spec, r.invalid, r.resource_version))
     cur = s.cur
     assert cur is not None
     # predecessor VMs: adopt the bound one if asked to, remove the rest (rule 8 default: replace)
     for rec in list(s.vms.values()):
-        if rec.fence.uid == r.uid or rec.state == "removing":
+        if rec.vm_id != adopt_vm and (rec.fence.uid == r.uid or rec.state == "removing"):
             continue
         if rec.vm_id == adopt_vm:
             _command(run, "adopt", fence, rec.host, rec.vm_id, cur.spec)
@@ -620,8 +640,23 @@ def _discover(run: _Run, i: Inventoried) -> None:
     ):
         _command(run, "adopt", cur.fence, i.host, i.vm_id, cur.spec)
         return
+    if not s.is_tombstoned(i.fence.uid) and (cur is None or cur.fence.uid != i.fence.uid):
+        # an incarnation the log never admitted (its admission was in a lost tail): the VM may be
+        # the live pod's. It stays ``discovered`` (no VM is made beside it) until a consistent read
+        # says who owns the name: that incarnation adopts it, or it is removed (_collect_discovered)
+        _request_confirm(run, i.fence.uid)
+        return
     run.add(Skipped("orphan", i.fence.uid, f"VM {i.vm_id} on {i.host} belongs to no live incarnation"))
     _command(run, "remove", i.fence, i.host, i.vm_id, None)
+
+
+def _collect_discovered(run: _Run) -> None:
+    """VMs kept ``discovered`` while a read was out whose incarnation is now known dead: removed."""
+    s = run.s
+    for rec in list(s.vms.values()):
+        if rec.state == "discovered" and s.is_tombstoned(rec.fence.uid):
+            run.add(Skipped("orphan", rec.fence.uid, f"VM {rec.vm_id} on {rec.host} belongs to no live incarnation"))
+            _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
 
 
 def _adopts_predecessor(s: KeyState, cur: Incarnation, i: Inventoried) -> bool:
@@ -640,9 +675,30 @@ def rebuild(state: KeyState, known_epoch: int, env: DecideEnv | None = None, rea
     tail): say so, lift the epoch above any the writer knew (so no agent holds a fence as new as
     the next incarnation's), and survey every host before any VM is made again (rule 17)."""
     run = _Run(_copy(state), env or DecideEnv())
-    run.add(Rebuilt(reason or "log behind its writer", epoch_floor=max(known_epoch, state.epoch)))
-    _survey(run)
+    _rebuild(run, known_epoch, reason or "log behind its writer")
     return run.out
+
+
+def _rebuild(run: _Run, known_epoch: int, reason: str) -> None:
+    run.add(Rebuilt(reason, epoch_floor=max(known_epoch, run.s.epoch)))
+    _survey(run)
+
+
+def agent_epoch(state: KeyState, inp: Input) -> int:
+    """The newest epoch of this key an agent's report shows (0: none): the fences it carries (the
+    owner of a VM it reports, a command's fence, the owners a fenced answer or a survey names) and
+    a fenced answer's key mark. Epochs are assigned only by the key's log, so one above
+    ``state.epoch`` proves the log lost entries; a stale copy of the log (another writer appended
+    meanwhile) loses its append race and decides again on the re-read log."""
+    match inp:
+        case CommandResult():
+            fences = [inp.fence, *(i.fence for i in inp.found)]
+            mark = inp.key_epoch
+        case Inventoried() | VMExited() | VMGone() | ProbeChanged():
+            fences, mark = [inp.fence], 0
+        case _:
+            return 0
+    return max([mark, *(f.epoch for f in fences if f.key == state.key)])
 
 
 def _survey(run: _Run) -> None:

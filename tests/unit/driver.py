@@ -104,3 +104,16 @@ def answer_surveys(d: Driver, found: dict[str, list[Inventoried]]) -> list:  # t
     for s in d.commands("survey"):
         out += d.answer(s, found=found.get(s.host, []))
     return out
+
+
+def cut_unseen(d: Driver, keep: int) -> list[LogEntry]:
+    """The key's log keeps its first ``keep`` entries and the writer restarts from it with no memory
+    of more (its data dir is gone, or its snapshot predates the cut): no ``Rebuilt`` is appended, the
+    cut log looks like a normal, shorter one. Returns the lost entries."""
+    lost = d.log[keep:]
+    d.log = d.log[:keep]
+    d.state = KeyState(key=d.key)
+    for entry in d.log:
+        fold_all(d.state, entry.decisions)
+        d.state.n = entry.n
+    return lost

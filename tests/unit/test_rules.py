@@ -3,6 +3,8 @@ the situation the rule exists for and fails if the rule's row is taken out of th
 
 from __future__ import annotations
 
+import pytest
+
 from shared.audit import audit
 from shared.decide import DecideEnv, decide
 from shared.schema import (
@@ -21,6 +23,7 @@ from shared.schema import (
     Inventoried,
     Observed,
     ProbeChanged,
+    Rebuilt,
     Released,
     Restarting,
     Skipped,
@@ -34,7 +37,7 @@ from shared.schema import (
     WriteRequested,
 )
 from shared.state import KeyState, fold_all
-from tests.unit.driver import KEY, Driver, answer_surveys, lose_tail, of
+from tests.unit.driver import KEY, Driver, answer_surveys, cut_unseen, lose_tail, of
 
 
 def test_rule2_claim_before_bring_up() -> None:
@@ -232,6 +235,10 @@ def test_rule8_inventory_adopts_own_and_removes_foreign_vms() -> None:
     d.admit("u1")
     d.answer(d.commands("create")[0], "failed")  # log now believes u1 has no VM
     out = d.feed(Inventoried(Fence(KEY, "u0", 0), "host-b", "stray-vm", "running"))
+    # an incarnation the log does not know: who owns the name is asked before anything is touched
+    assert of(out, Commanded) == [] and [r.seen_uid for r in of(out, ConfirmRequested)] == ["u0"]
+    (read,) = [r for r in d.pending(ConfirmRequested) if r.seen_uid == "u0"]
+    out = d.feed(ConfirmedRead(KEY, read.request, "u1", 1))
     assert [(c.command.op, c.command.vm_id) for c in of(out, Commanded)] == [("remove", "stray-vm")]
 
 
@@ -325,9 +332,12 @@ def test_a_fenced_answer_naming_a_newer_owner_is_never_taken_for_a_gone_vm() -> 
 
     d = Driver()
     c1 = d.run_up("u1")
-    d.admit("u2")
+    d.admit("u2", Spec(on_recreate="adopt"))
+    (adopt,) = d.commands("adopt")  # lands at the agent; its answer is still on its way
+    d.admit("u3")
     (remove,) = d.commands("remove")
-    newer = Fence(KEY, "u1", 5)  # a fence of this key the log does not know holds the VM
+    assert remove.fence == c1.fence
+    newer = adopt.fence  # a newer fence of this key than the remove's holds the VM
     out = d.feed(CommandResult(remove.fence, remove.id, "remove", remove.host, remove.vm_id, "fenced",
                                found=[Inventoried(newer, remove.host, c1.vm_id, "running")]))
     assert of(out, Released) == [], "the VM still exists"
@@ -431,3 +441,109 @@ def test_on_recreate_adopt_after_a_lost_tail_adopts_the_predecessors_surveyed_vm
             (create,) = d.commands("create")
             assert create.fence.uid == "u2" and create.vm_id != c1.vm_id
         assert audit(d.log, final=False).clean
+
+
+# ---------------------------------- a lost log tail no reconciler saw: the agents' epochs show it
+
+
+def _live_vm_after_an_unseen_cut() -> tuple[Driver, Inventoried, int]:
+    """u1 ran; the tail the log then lost recreated the pod twice (u2, u3: replace), so u3's VM runs
+    under epoch 3 and the host's key mark is 3. The log keeps u1's entries only, and the reconciler
+    restarted without any memory of more: the cut log looks like a normal, shorter one."""
+    d = Driver()
+    d.run_up("u1")
+    keep = len(d.log)
+    for uid in ("u2", "u3"):
+        d.admit(uid)
+        (remove,) = d.commands("remove")
+        d.answer(remove)
+        (create,) = d.commands("create")
+        d.answer(create, ip="10.0.0.9")
+    assert d.state.cur is not None and d.state.cur.fence == Fence(KEY, "u3", 3)
+    cut_unseen(d, keep)
+    assert d.state.epoch == 1 and d.state.cur is not None and d.state.cur.fence.uid == "u1"
+    return d, Inventoried(create.fence, create.host, create.vm_id, "running"), keep
+
+
+def _assert_live_vm_kept(d: Driver, vm: Inventoried, creates: int = 1) -> None:
+    cur = d.state.cur
+    assert cur is not None and cur.fence.uid == vm.fence.uid and cur.bound and cur.vm_id == vm.vm_id
+    commanded = [x.command for e in d.log for x in e.decisions if isinstance(x, Commanded)]
+    assert not [c for c in commanded if c.op == "remove" and c.vm_id == vm.vm_id], "live VM removed"
+    # u1's create before the cut (and the refused one that showed the cut): no VM is made afresh
+    assert [c.op for c in commanded if c.op in ("create", "wake")] == ["create"] * creates
+    assert sum(1 for e in d.log for x in e.decisions if isinstance(x, Rebuilt)) == 1
+    report = audit(d.log, final=True)
+    assert report.clean, report.violations
+    assert report.vms_bound_live == 1
+
+
+def test_an_unseen_cut_shown_by_an_agents_inventory_is_rebuilt_and_the_live_vm_adopted() -> None:
+    d, vm3, _ = _live_vm_after_an_unseen_cut()
+    out = d.feed(vm3)  # the agent's inventory: a fence of the key above every epoch the log knows
+    (rebuilt,) = of(out, Rebuilt)
+    assert rebuilt.epoch_floor >= vm3.fence.epoch and d.state.epoch > vm3.fence.epoch
+    assert {s.host for s in d.commands("survey")} == {"host-a", "host-b"}
+    assert d.state.rebuilding and d.commands("remove") == []
+    answer_surveys(d, {vm3.host: [vm3]})
+    # a VM of an incarnation the log never admitted may be the live pod's: ask before touching it
+    assert d.commands("remove") == [] and d.commands("create") == []
+    assert [r.seen_uid for r in d.pending(ConfirmRequested)] == ["u3"]
+    d.admit("u3")  # the consistent read: u3 owns the name
+    (adopt,) = d.commands("adopt")
+    assert adopt.vm_id == vm3.vm_id and adopt.fence.uid == "u3" and adopt.fence.epoch > vm3.fence.epoch
+    d.answer(adopt, ip="10.0.0.9")
+    _assert_live_vm_kept(d, vm3)
+
+
+@pytest.mark.parametrize("evidence", ["owner", "key_mark"])
+def test_an_unseen_cut_shown_by_a_fenced_create_is_rebuilt_not_retried_forever(evidence: str) -> None:
+    d, vm3, _ = _live_vm_after_an_unseen_cut()
+    d.admit("u3")  # the relist comes first: u3 is admitted again, below the epoch it had
+    assert d.state.cur is not None and d.state.cur.fence.epoch < vm3.fence.epoch
+    (remove,) = d.commands("remove")  # u1's VM, which the lost tail already removed
+    d.answer(remove, "not_found")
+    (create,) = d.commands("create")
+    assert d.commands("survey") == []
+    # the host refuses it: the VM of that name (or, under another name, the key) has a newer fence
+    if evidence == "owner":
+        assert create.vm_id == vm3.vm_id
+        out = d.answer(create, "fenced", found=[vm3])
+    else:
+        out = d.answer(create, "fenced", key_epoch=vm3.fence.epoch)
+    (rebuilt,) = of(out, Rebuilt)
+    assert rebuilt.epoch_floor >= vm3.fence.epoch and d.state.epoch > vm3.fence.epoch
+    assert of(out, Released) == []
+    assert d.commands("remove") == [] and d.commands("create") == []
+    answer_surveys(d, {vm3.host: [vm3]})
+    (adopt,) = d.commands("adopt")
+    assert adopt.vm_id == vm3.vm_id and adopt.fence.uid == "u3" and adopt.fence.epoch > vm3.fence.epoch
+    d.answer(adopt, ip="10.0.0.9")
+    _assert_live_vm_kept(d, vm3, creates=2)
+
+
+def test_an_unseen_cut_whose_unknown_incarnation_is_dead_removes_its_vm_after_asking() -> None:
+    d, vm3, _ = _live_vm_after_an_unseen_cut()
+    d.feed(VMExited(vm3.fence, vm3.host, vm3.vm_id, 1))  # any report carrying the newer fence shows it
+    assert d.state.rebuilding
+    answer_surveys(d, {vm3.host: [vm3]})
+    assert d.commands("remove") == []
+    (read,) = d.pending(ConfirmRequested)
+    d.feed(ConfirmedRead(KEY, read.request, None))  # the pod was deleted meanwhile: nobody owns the name
+    (remove,) = d.commands("remove")
+    assert remove.vm_id == vm3.vm_id and remove.fence == vm3.fence
+    d.answer(remove)
+    assert d.state.cur is None and d.state.vms == {}
+    assert d.commands("adopt") == [] and d.commands("create") == []
+    report = audit(d.log, final=True)
+    assert report.clean, report.violations
+
+
+def test_reports_within_the_epochs_the_log_knows_never_rebuild() -> None:
+    d = Driver()
+    c1 = d.run_up("u1")
+    d.admit("u2")
+    for inp in (Inventoried(c1.fence, c1.host, c1.vm_id, "running"), VMExited(c1.fence, c1.host, c1.vm_id, 1),
+                ProbeChanged(c1.fence, c1.host, c1.vm_id, True)):
+        assert of(d.feed(inp), Rebuilt) == []
+    assert not d.state.rebuilding
