@@ -100,8 +100,8 @@ class CommandResult(msgspec.Struct, tag="result", frozen=True, omit_defaults=Tru
     vnc_port: int | None = None
     snapshot: str | None = None
     found: list[Inventoried] = []  # a survey's answer: every VM of the key on this host
-    # a fenced answer: the newest epoch of the key this host has seen (its key mark). Above every
-    # epoch the key's log knows, it proves the log lost entries (a cut no reconciler saw).
+    # the newest epoch of the key the answering host has seen (its key mark). Above every epoch
+    # the key's log knows, it proves the log lost entries (a cut no reconciler saw).
     key_epoch: int = 0
     v: int = SCHEMA_VERSION
 

@@ -21,8 +21,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-import msgspec
-
 from services.agent.ledger import TRANSIENT_STATES, Ledger, VMRow
 from services.agent.logs import cmd_fields, fence_fields
 from services.agent.runtime import (
@@ -152,18 +150,18 @@ class Executor:
             outcome=outcome,  # type: ignore[arg-type]
             error=error, ip=info.ip if info else None, vnc_port=vnc_port, snapshot=snapshot,
             found=found or [],
+            # the newest epoch of the key this host has seen: above every epoch the key's log
+            # knows, it shows the reconciler that the log lost entries (a cut nobody saw)
+            key_epoch=self.ledger.key_mark(cmd.fence.key),
         )
 
     async def _answer(self, cmd: Command, outcome: Outcome, error: str | None = None,
                       info: VMInfo | None = None) -> CommandResult:
         """Record a result that changes nothing in the ledger (fenced, not_found, failed...). A
-        fenced answer names the VM's real owner, so the reconciler never mistakes it for gone, and
-        the key's mark: an epoch above any the key's log knows shows the log lost entries."""
+        fenced answer names the VM's real owner, so the reconciler never mistakes it for gone."""
         row = self.ledger.vm(cmd.vm_id) if outcome == "fenced" else None
         found = [Inventoried(row.fence, self.host, row.vm_id, row.state)] if row is not None else None
         result = self._result(cmd, outcome, error=error, info=info, found=found)
-        if outcome == "fenced":
-            result = msgspec.structs.replace(result, key_epoch=self.ledger.key_mark(cmd.fence.key))
         await self.ledger.record(result)
         return result
 

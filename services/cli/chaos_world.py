@@ -117,7 +117,10 @@ class Agent:
             found = [
                 Inventoried(v.owner, self.host, v.vm_id, "running") for v in self.vms.values() if v.key == cmd.fence.key
             ]
-            result = CommandResult(cmd.fence, cmd.id, cmd.op, self.host, cmd.vm_id, "ok", found=found)
+            result = CommandResult(
+                cmd.fence, cmd.id, cmd.op, self.host, cmd.vm_id, "ok", found=found,
+                key_epoch=self.marks.get(cmd.fence.key, 0),
+            )
             self.results[cmd.id] = result
             return result
         elif cmd.op == "adopt":
@@ -132,6 +135,7 @@ class Agent:
         result = CommandResult(
             cmd.fence, cmd.id, cmd.op, self.host, cmd.vm_id, outcome,  # type: ignore[arg-type]
             ip="10.0.0.1" if outcome == "ok" and cmd.op != "remove" else None, snapshot=snapshot, found=found,
+            key_epoch=self.marks.get(cmd.fence.key, 0),
         )
         self.results[cmd.id] = result
         return result
@@ -344,6 +348,16 @@ class World:
         if rebuilt.n < known.n:
             self._append(key, rebuild(rebuilt, known.epoch, self.env, "log tail lost"))
         self._emit(key, list(self.states[key].outbox.values()))
+
+    def lose_log_tail_unseen(self, key: str, k: int) -> None:
+        """The stream lost the key's last k entries and no reconciler saw them: the partition's owner
+        restarts without its data dir (or from a snapshot older than the cut) and reads the cut log
+        as a normal, shorter one — no Rebuilt from memory. Commands and reports already on the bus
+        stay in flight; only the agents' epochs can show the cut."""
+        entries = [e for e in self.log if e.key == key]
+        drop = {id(e) for e in entries[-k:]} if k else set()
+        self.log = [e for e in self.log if id(e) not in drop]
+        self.crash_reconciler()
 
     def split_brain(self, key: str, back: int) -> None:
         """A second writer with a stale copy of the key (an old snapshot) decides the next input;

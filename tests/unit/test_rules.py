@@ -496,21 +496,26 @@ def test_an_unseen_cut_shown_by_an_agents_inventory_is_rebuilt_and_the_live_vm_a
     _assert_live_vm_kept(d, vm3)
 
 
-@pytest.mark.parametrize("evidence", ["owner", "key_mark"])
-def test_an_unseen_cut_shown_by_a_fenced_create_is_rebuilt_not_retried_forever(evidence: str) -> None:
+@pytest.mark.parametrize("evidence", ["remove_answer", "fenced_owner", "fenced_key_mark"])
+def test_an_unseen_cut_shown_by_a_command_answer_is_rebuilt_before_any_vm_is_made(evidence: str) -> None:
     d, vm3, _ = _live_vm_after_an_unseen_cut()
     d.admit("u3")  # the relist comes first: u3 is admitted again, below the epoch it had
     assert d.state.cur is not None and d.state.cur.fence.epoch < vm3.fence.epoch
     (remove,) = d.commands("remove")  # u1's VM, which the lost tail already removed
-    d.answer(remove, "not_found")
-    (create,) = d.commands("create")
-    assert d.commands("survey") == []
-    # the host refuses it: the VM of that name (or, under another name, the key) has a newer fence
-    if evidence == "owner":
-        assert create.vm_id == vm3.vm_id
-        out = d.answer(create, "fenced", found=[vm3])
+    creates = 1
+    if evidence == "remove_answer":
+        # the host that removed it saw epoch 3 of the key: its answer says so (the key mark)
+        out = d.answer(remove, "not_found", key_epoch=vm3.fence.epoch)
     else:
-        out = d.answer(create, "fenced", key_epoch=vm3.fence.epoch)
+        d.answer(remove, "not_found")  # (a host that never saw the newer epoch answers it)
+        (create,) = d.commands("create")
+        creates = 2
+        # the host refuses it: the VM of that name (or, under another name, the key) has a newer fence
+        if evidence == "fenced_owner":
+            assert create.vm_id == vm3.vm_id
+            out = d.answer(create, "fenced", found=[vm3])
+        else:
+            out = d.answer(create, "fenced", key_epoch=vm3.fence.epoch)
     (rebuilt,) = of(out, Rebuilt)
     assert rebuilt.epoch_floor >= vm3.fence.epoch and d.state.epoch > vm3.fence.epoch
     assert of(out, Released) == []
@@ -519,7 +524,7 @@ def test_an_unseen_cut_shown_by_a_fenced_create_is_rebuilt_not_retried_forever(e
     (adopt,) = d.commands("adopt")
     assert adopt.vm_id == vm3.vm_id and adopt.fence.uid == "u3" and adopt.fence.epoch > vm3.fence.epoch
     d.answer(adopt, ip="10.0.0.9")
-    _assert_live_vm_kept(d, vm3, creates=2)
+    _assert_live_vm_kept(d, vm3, creates=creates)
 
 
 def test_an_unseen_cut_whose_unknown_incarnation_is_dead_removes_its_vm_after_asking() -> None:
