@@ -4,6 +4,7 @@ invariant kept as a regression test (each names the fix it guards)."""
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from services.cli.chaos_sim import FAULTS, campaign, run_seed
+from services.cli.chaos_world import World
+from shared.schema import Rebuilt, Spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,6 +40,47 @@ def test_campaign_small_reaches_every_fault_kind_and_finds_nothing() -> None:
     result = campaign(300)
     assert result["failures"] == []
     assert result["fault_kinds_reached"] == len(FAULTS), sorted(set(FAULTS) - set(result["faults_injected"]))
+
+
+@pytest.mark.parametrize("policy", ["replace", "adopt"])
+def test_model_an_unseen_cut_holding_recreates_is_rebuilt_from_the_agents_epochs(policy: str) -> None:
+    """The log loses a tail holding two same-name recreates and the reconciler restarts without its
+    data dir (no Rebuilt from memory). Whatever order the inventory, the relist and the commands of
+    the cut log's outbox arrive in: never two VMs, the live pod's VM survives (adopted, not made
+    again), one Rebuilt, a clean audit."""
+    for seed in range(150):
+        rng = random.Random(seed)
+        w = World(keys=1)
+        key = w.keys[0]
+        w.create(key)
+        w.settle()
+        keep = sum(1 for e in w.log if e.key == key)
+        for _ in range(2):
+            w.force_delete(key, observed=rng.random() < 0.5)
+            w.create(key, Spec(on_recreate=policy))
+            w.settle()
+        (live,) = w.vms_of(key)
+        assert live.owner.epoch == 3
+        w.lose_log_tail_unseen(key, sum(1 for e in w.log if e.key == key) - keep)
+        assert w.states[key].epoch == 1
+        w.inventory()
+        w.relist_current(key)
+        for _ in range(400):
+            if not w.bag:
+                break
+            w.deliver(rng.randrange(1 << 20), duplicate=rng.random() < 0.1)
+            assert w.max_vms_per_key <= 1, f"seed {seed}: two VMs"
+        w.settle()
+        w.inventory()
+        w.settle()
+        assert w.max_vms_per_key <= 1, f"seed {seed}: two VMs"
+        (vm,) = w.vms_of(key)
+        cur = w.states[key].cur
+        assert cur is not None and cur.bound and vm.vm_id == live.vm_id == cur.vm_id, f"seed {seed}: live VM replaced"
+        assert vm.owner.uid == w.pods[key].uid == cur.fence.uid
+        assert sum(1 for e in w.log for d in e.decisions if isinstance(d, Rebuilt)) == 1, f"seed {seed}"
+        report = w.audit()
+        assert report.clean, (seed, report.violations[:3])
 
 
 def test_one_seed_is_fully_determined() -> None:
