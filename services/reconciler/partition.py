@@ -409,6 +409,11 @@ class Partition:
                     effects.append(d)
                 case Done(effect_id=eid):
                     effects = [e for e in effects if not (isinstance(e, ConfirmRequested) and e.request == eid)]
+                case Rebuilt(reason=reason):
+                    # decide saw an agent hold an epoch of the key above its log's: a cut nobody saw
+                    log.error("log of key lost entries no reconciler saw: rebuilding (%s)", reason,
+                              extra={"key": key, "partition": self.p})
+                    metrics.POD_LIFECYCLE.labels("rebuild", "started", "agent_epoch_ahead").inc()
                 case _:
                     pass
         if effects:
