@@ -41,6 +41,7 @@ no rule has to remember to write status.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import msgspec
@@ -118,10 +119,12 @@ class DecideEnv(msgspec.Struct, frozen=True):
 class _Run:
     """Collects decisions while folding them into a working copy of the state."""
 
-    def __init__(self, state: KeyState, env: DecideEnv) -> None:
+    def __init__(self, state: KeyState, env: DecideEnv, inp: Input | None = None) -> None:
         self.s = state
         self.env = env
         self.out: list[Decision] = []
+        self.inp = inp
+        self._tag: str | None = None
 
     def add(self, d: Decision) -> None:
         self.out.append(d)
@@ -132,21 +135,34 @@ class _Run:
         return self.s.n + 1
 
     def effect_id(self, *parts: object) -> str:
-        """Deterministic effect ids: derived from the log position, so replay re-derives them. The
-        key's epoch counter is part of it: after a lost tail the positions repeat, the epoch does
-        not (Rebuilt lifts it), so an answer to a lost effect can never complete a new one."""
-        return ":".join(str(p) for p in (*parts, f"{self.s.epoch}.{self.next_n}.{len(self.out)}"))
+        """Deterministic effect ids: derived from the log position and the input, so replay and a
+        redelivered input re-derive them. The key's epoch counter is part of it: after a lost tail
+        the positions repeat, the epoch does not (Rebuilt lifts it). After a cut nobody saw, position
+        and epoch both repeat: a digest of the input decided keeps an answer to a lost effect (a
+        consistent read asked for another observation) from completing a new one."""
+        if self._tag is None:
+            self._tag = _digest(self.inp) if self.inp is not None else ""
+        pos = f"{self.s.epoch}.{self.next_n}.{len(self.out)}"
+        return ":".join(str(p) for p in (*parts, f"{pos}.{self._tag}" if self._tag else pos))
+
+
+_digest_encoder = msgspec.msgpack.Encoder()
+
+
+def _digest(inp: Input) -> str:
+    return hashlib.blake2b(_digest_encoder.encode(inp), digest_size=4).hexdigest()
 
 
 def decide(state: KeyState, inp: Input, env: DecideEnv | None = None) -> list[Decision]:
     """Decisions for one input. ``state`` is not modified (a copy is folded)."""
-    run = _Run(_copy(state), env or DecideEnv())
-    seen = agent_epoch(state, inp)
-    if seen > state.epoch:
-        # an agent holds a fence of this key newer than any the log ever assigned: the log lost
-        # entries that no reconciler saw (all restarted without their data, or from a snapshot older
-        # than the cut). Rebuild as for a detected cut; the survey rediscovers what this input said.
-        _rebuild(run, seen, f"an agent holds epoch {seen} of the key; the log knows only {state.epoch}")
+    run = _Run(_copy(state), env or DecideEnv(), inp)
+    why = cut_evidence(state, inp)
+    if why is not None:
+        # an agent holds a fence of this key the log never assigned (an epoch above all it knows, or
+        # its newest epoch under another uid): the log lost entries that no reconciler saw (all
+        # restarted without their data, or from a snapshot older than the cut). Rebuild as for a
+        # detected cut; the survey rediscovers what this input said.
+        _rebuild(run, agent_epoch(state, inp), why)
         return run.out
     match inp:
         case Observed():
@@ -329,6 +345,8 @@ def _bring_up(run: _Run) -> None:
         return  # another VM of the key is still being removed or adopted: wait for its Released
     if _place_pending(s, cur.fence):
         return
+    if _verify_first(run):
+        return
     if cur.hibernated:
         _wake(run, cur)  # restores from the snapshot in the log; never a blank VM (rule 10)
         return
@@ -340,6 +358,25 @@ def _bring_up(run: _Run) -> None:
     vm_id = _vm_name(s.key, cur.fence.uid, cur.gen + 1)
     run.add(Placed(cur.fence, vm_id, host))
     _command(run, "create", cur.fence, host, vm_id, cur.spec)
+
+
+def _verify_first(run: _Run) -> bool:
+    """The writer loaded the key from a log that may have lost a tail nobody saw (``unverified``):
+    before its first VM, every host says what it has of the key and raises its key mark to the
+    current fence, so a VM or an in-flight command of the lost tail shows the cut (cut_evidence) or
+    is refused — never a second VM beside it. True while that survey is out."""
+    s = run.s
+    if not s.unverified:
+        return False
+    if not any(_is_survey_effect(e) for e in s.outbox.values()):
+        _survey(run)
+    return True
+
+
+def _is_survey_effect(e: object) -> bool:
+    return (isinstance(e, Commanded) and e.command.op == "survey") or (
+        isinstance(e, TimerArmed) and e.purpose == "survey"
+    )
 
 
 def _place(env: DecideEnv, spec: Spec) -> str | None:
@@ -449,8 +486,8 @@ def _on_result(run: _Run, r: CommandResult) -> None:
                 for item in r.found:
                     if item.vm_id not in s.vms:
                         _discover(run, item)
-                if not s.rebuilding:
-                    _after_release(run)
+                if not s.rebuilding and not any(_is_survey_effect(e) for e in s.outbox.values()):
+                    _after_release(run)  # (still unverified after a survey from an older epoch: another)
             else:
                 _arm(run, cmd.fence, "survey", EFFECT_RETRY_S)
 
@@ -690,15 +727,33 @@ def agent_epoch(state: KeyState, inp: Input) -> int:
     a fenced answer's key mark. Epochs are assigned only by the key's log, so one above
     ``state.epoch`` proves the log lost entries; a stale copy of the log (another writer appended
     meanwhile) loses its append race and decides again on the re-read log."""
+    return max([0, *(f.epoch for f in _agent_fences(state, inp))])
+
+
+def cut_evidence(state: KeyState, inp: Input) -> str | None:
+    """Why an agent's report proves the key's log lost entries, or None. Epochs are assigned only by
+    the key's log, each to one uid: a fence above ``state.epoch``, or at ``state.epoch`` under a uid
+    other than ``state.epoch_uid``, was assigned by entries the log no longer holds."""
+    seen = agent_epoch(state, inp)
+    if seen > state.epoch:
+        return f"an agent holds epoch {seen} of the key; the log knows only {state.epoch}"
+    if not state.epoch_uid or seen < state.epoch:
+        return None
+    for f in _agent_fences(state, inp):
+        if f.epoch == state.epoch and f.uid and f.uid != state.epoch_uid:
+            return f"an agent holds epoch {f.epoch} of the key for {f.uid}; the log gave it to {state.epoch_uid}"
+    return None
+
+
+def _agent_fences(state: KeyState, inp: Input) -> list[Fence]:
     match inp:
         case CommandResult():
-            fences = [inp.fence, *(i.fence for i in inp.found)]
-            mark = inp.key_epoch
+            fences = [inp.fence, *(i.fence for i in inp.found), Fence(state.key, inp.key_uid, inp.key_epoch)]
         case Inventoried() | VMExited() | VMGone() | ProbeChanged():
-            fences, mark = [inp.fence], 0
+            fences = [inp.fence]
         case _:
-            return 0
-    return max([mark, *(f.epoch for f in fences if f.key == state.key)])
+            return []
+    return [f for f in fences if f.key == state.key]
 
 
 def _survey(run: _Run) -> None:
@@ -796,6 +851,8 @@ def _wake(run: _Run, cur: Incarnation) -> None:
     if any(rec for rec in s.vms.values()):
         return
     if cur.vm_id is not None or _place_pending(s, cur.fence):
+        return
+    if _verify_first(run):
         return
     host = cur.snapshot_host or _place(run.env, cur.spec)
     if host is None:

@@ -103,6 +103,9 @@ class CommandResult(msgspec.Struct, tag="result", frozen=True, omit_defaults=Tru
     # the newest epoch of the key the answering host has seen (its key mark). Above every epoch
     # the key's log knows, it proves the log lost entries (a cut no reconciler saw).
     key_epoch: int = 0
+    # the incarnation that epoch belongs to on this host ("": not known). Epochs are assigned once,
+    # so a uid here other than the one the log gave ``key_epoch`` also proves lost entries.
+    key_uid: str = ""
     v: int = SCHEMA_VERSION
 
 

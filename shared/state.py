@@ -101,6 +101,13 @@ class KeyState(msgspec.Struct, omit_defaults=True):
     vms: dict[str, VMRec] = msgspec.field(default_factory=dict)
     outbox: dict[str, Effect] = msgspec.field(default_factory=dict)
     rebuilding: bool = False  # after a lost tail: no VM is made until every host was surveyed
+    # the uid the log gave ``epoch`` to ("" before any, or after a rebuild with no incarnation). An
+    # agent showing another uid at that epoch shows a lost tail (decide.cut_evidence).
+    epoch_uid: str = ""
+    # set by the shell, never by a decision: the writer loaded this key from the log (a restart, a
+    # handover) and cannot know whether the log lost a tail before it did. The first VM it makes for
+    # the key waits for a survey of every host; the fold of that survey's last answer clears it.
+    unverified: bool = False
 
     def is_tombstoned(self, uid: str) -> bool:
         return uid in self.tombstones
@@ -137,6 +144,10 @@ def fold(s: KeyState, d: Decision) -> KeyState:
                 and not any(_is_survey(e) for e in s.outbox.values())
             ):
                 s.rebuilding = False
+                if done.command.fence.epoch >= s.epoch:
+                    # every host answered a survey at the current epoch: each has raised its key
+                    # mark to it, so a command of a lost tail at or below it is refused there
+                    s.unverified = False
         case WriteRequested(write=w):
             if w.verb != "event":
                 s.outbox[w.id] = d
@@ -172,6 +183,8 @@ def fold(s: KeyState, d: Decision) -> KeyState:
         case ConfirmRequested(request=req):
             s.outbox[req] = d
         case Admitted(fence=f, spec=spec, invalid=invalid, resource_version=rv):
+            if f.epoch >= s.epoch:
+                s.epoch_uid = f.uid
             s.epoch = max(s.epoch, f.epoch)
             s.admitted_rv = max(s.admitted_rv, rv)
             s.cur = Incarnation(fence=f, spec=spec, invalid=invalid, rv=rv, admitted_at=s.n + 1)
@@ -248,6 +261,7 @@ def fold(s: KeyState, d: Decision) -> KeyState:
             for eid, eff in list(s.outbox.items()):
                 if isinstance(eff, Commanded):
                     del s.outbox[eid]
+            s.epoch_uid = s.cur.fence.uid if s.cur is not None else ""
             if s.cur is not None:
                 c = s.cur
                 c.fence = Fence(s.key, c.fence.uid, s.epoch)

@@ -120,16 +120,15 @@ class Executor:
             if stored is not None:
                 log.info("redelivered command answered from the ledger", extra=cmd_fields(cmd))
                 return stored, True
-            mark = self.ledger.key_mark(cmd.fence.key)
-            if cmd.op not in KEY_FENCE_EXEMPT and cmd.fence.epoch < mark:
+            why = None if cmd.op in KEY_FENCE_EXEMPT else self._key_refusal(cmd.fence)
+            if why is not None:
                 # a newer fence of this key was already seen here (a successor, or a rebuilt log's
-                # survey): nothing decided under an older one may make or wake a VM
-                result: CommandResult = await self._answer(
-                    cmd, "fenced", f"fence epoch {cmd.fence.epoch} is older than epoch {mark} seen for the key"
-                )
+                # survey), or this epoch under another incarnation (the log lost the entry that gave
+                # it out): nothing decided under it may make or wake a VM
+                result: CommandResult = await self._answer(cmd, "fenced", why)
             else:
                 if cmd.op != "remove":
-                    await self.ledger.raise_key_mark(cmd.fence.key, cmd.fence.epoch)
+                    await self.ledger.raise_key_mark(cmd.fence.key, cmd.fence.epoch, cmd.fence.uid)
                 handler = getattr(self, f"_op_{cmd.op}")
                 result = await handler(cmd)
             level = logging.INFO if result.outcome in ("ok", "not_found") else logging.WARNING
@@ -139,6 +138,15 @@ class Executor:
             return result, False
 
     # ------------------------------------------------------------------ helpers
+    def _key_refusal(self, fence: Fence) -> str | None:
+        """Why the key's mark forbids a command under ``fence`` (None: it does not)."""
+        mark, mark_uid = self.ledger.key_mark(fence.key), self.ledger.key_mark_uid(fence.key)
+        if fence.epoch < mark:
+            return f"fence epoch {fence.epoch} is older than epoch {mark} seen for the key"
+        if fence.epoch == mark and mark_uid and fence.uid and fence.uid != mark_uid:
+            return f"epoch {mark} of the key belongs to uid {mark_uid} here, not {fence.uid}"
+        return None
+
     def _result(self, cmd: Command, outcome: Outcome, *, error: str | None = None,
                 info: VMInfo | None = None, snapshot: str | None = None,
                 found: list[Inventoried] | None = None) -> CommandResult:
@@ -152,7 +160,7 @@ class Executor:
             found=found or [],
             # the newest epoch of the key this host has seen: above every epoch the key's log
             # knows, it shows the reconciler that the log lost entries (a cut nobody saw)
-            key_epoch=self.ledger.key_mark(cmd.fence.key),
+            key_epoch=self.ledger.key_mark(cmd.fence.key), key_uid=self.ledger.key_mark_uid(cmd.fence.key),
         )
 
     async def _answer(self, cmd: Command, outcome: Outcome, error: str | None = None,

@@ -126,6 +126,7 @@ class Ledger:
     _db: aiosqlite.Connection | None = field(default=None, init=False, repr=False)
     _vms: dict[str, VMRow] = field(default_factory=dict, init=False, repr=False)
     _marks: dict[str, int] = field(default_factory=dict, init=False, repr=False)
+    _mark_uids: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _removed: dict[str, Tombstone] = field(default_factory=dict, init=False, repr=False)
     _tx_lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
 
@@ -146,24 +147,36 @@ class Ledger:
         async with db.execute("SELECT vm_id, reason, key, uid, epoch FROM removed") as cur:
             async for vm_id, reason, key, uid, epoch in cur:
                 self._removed[vm_id] = Tombstone(vm_id, reason, Fence(key, uid, epoch))
-        async with db.execute("SELECT key, epoch FROM key_marks") as cur:
-            async for key, epoch in cur:
+        async with db.execute("PRAGMA table_info(key_marks)") as cur:
+            columns = [row[1] async for row in cur]
+        if "uid" not in columns:  # a ledger from before marks named their incarnation
+            await db.execute("ALTER TABLE key_marks ADD COLUMN uid TEXT NOT NULL DEFAULT ''")
+        async with db.execute("SELECT key, epoch, uid FROM key_marks") as cur:
+            async for key, epoch, uid in cur:
                 self._marks[key] = int(epoch)
+                self._mark_uids[key] = str(uid)
 
     def key_mark(self, key: str) -> int:
         """The newest epoch any command for this key carried here (0: none yet)."""
         return self._marks.get(key, 0)
 
-    async def raise_key_mark(self, key: str, epoch: int) -> None:
-        if epoch <= self._marks.get(key, 0):
+    def key_mark_uid(self, key: str) -> str:
+        """The incarnation the key's mark epoch belongs to ("": not known)."""
+        return self._mark_uids.get(key, "")
+
+    async def raise_key_mark(self, key: str, epoch: int, uid: str = "") -> None:
+        """Raise the key's mark to ``epoch`` of ``uid``; at the same epoch only fill in an unknown uid."""
+        old, old_uid = self._marks.get(key, 0), self._mark_uids.get(key, "")
+        if epoch < old or (epoch == old and (old_uid or not uid)):
             return
         async with self._tx() as db:
             await db.execute(
-                "INSERT INTO key_marks(key, epoch) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET epoch=excluded.epoch "
-                "WHERE excluded.epoch > key_marks.epoch",
-                (key, epoch),
+                "INSERT INTO key_marks(key, epoch, uid) VALUES(?, ?, ?) ON CONFLICT(key) DO UPDATE SET "
+                "epoch=excluded.epoch, uid=excluded.uid WHERE excluded.epoch > key_marks.epoch "
+                "OR (excluded.epoch = key_marks.epoch AND key_marks.uid = '')",
+                (key, epoch, uid),
             )
-        self._marks[key] = max(self._marks.get(key, 0), epoch)
+        self._marks[key], self._mark_uids[key] = epoch, uid
 
     async def close(self) -> None:
         if self._db is not None:

@@ -67,6 +67,7 @@ class Agent:
     snapshots: dict[str, str] = field(default_factory=dict)
     removed: set[str] = field(default_factory=set)  # a removed VM id never comes back
     marks: dict[str, int] = field(default_factory=dict)  # per key: the newest epoch commanded
+    mark_uids: dict[str, str] = field(default_factory=dict)  # per key: the uid of that epoch ("": any)
 
     def execute(self, cmd: Command) -> CommandResult:
         """Measure, act on the difference, record by command id (answers redeliveries)."""
@@ -76,11 +77,15 @@ class Agent:
         vm = self.vms.get(cmd.vm_id)
         outcome = "ok"
         snapshot = None
-        mark = self.marks.get(cmd.fence.key, 0)
-        if cmd.op != "remove":
-            self.marks[cmd.fence.key] = max(mark, cmd.fence.epoch)
-        if cmd.op not in ("remove", "survey") and cmd.fence.epoch < mark:
-            outcome = "fenced"  # older than a fence this host already saw for the key
+        key = cmd.fence.key
+        mark, mark_uid = self.marks.get(key, 0), self.mark_uids.get(key, "")
+        other_uid = cmd.fence.epoch == mark and bool(mark_uid) and bool(cmd.fence.uid) and cmd.fence.uid != mark_uid
+        key_fenced = cmd.op not in ("remove", "survey") and (cmd.fence.epoch < mark or other_uid)
+        raises = cmd.fence.epoch > mark or (cmd.fence.epoch == mark and not mark_uid)
+        if not key_fenced and cmd.op != "remove" and raises:
+            self.marks[key], self.mark_uids[key] = cmd.fence.epoch, cmd.fence.uid
+        if key_fenced:
+            outcome = "fenced"  # older than a fence this host already saw for the key, or its epoch reused
         elif vm is not None and cmd.fence.epoch < vm.owner.epoch:
             outcome = "fenced"
         elif cmd.vm_id in self.removed and cmd.op != "remove":
@@ -119,7 +124,7 @@ class Agent:
             ]
             result = CommandResult(
                 cmd.fence, cmd.id, cmd.op, self.host, cmd.vm_id, "ok", found=found,
-                key_epoch=self.marks.get(cmd.fence.key, 0),
+                key_epoch=self.marks.get(key, 0), key_uid=self.mark_uids.get(key, ""),
             )
             self.results[cmd.id] = result
             return result
@@ -135,7 +140,7 @@ class Agent:
         result = CommandResult(
             cmd.fence, cmd.id, cmd.op, self.host, cmd.vm_id, outcome,  # type: ignore[arg-type]
             ip="10.0.0.1" if outcome == "ok" and cmd.op != "remove" else None, snapshot=snapshot, found=found,
-            key_epoch=self.marks.get(cmd.fence.key, 0),
+            key_epoch=self.marks.get(key, 0), key_uid=self.mark_uids.get(key, ""),
         )
         self.results[cmd.id] = result
         return result
@@ -324,6 +329,9 @@ class World:
         self.bag = [m for m in self.bag if m.kind in ("input", "command")]
         for key in self.keys:
             self.states[key] = self._fold_log(key)
+            # loaded from the log: whether the log lost a tail before the load cannot be known
+            # (Partition.load does the same), so its first VM waits for a survey
+            self.states[key].unverified = self.states[key].n > 0
             self._emit(key, list(self.states[key].outbox.values()))
 
     def _fold_log(self, key: str, upto: int | None = None) -> KeyState:
