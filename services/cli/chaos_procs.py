@@ -101,7 +101,11 @@ def _run_stack_campaign(args: argparse.Namespace) -> int:
     seeds = 1 if args.seed is not None else int(args.seeds or 0)
     first = args.seed if args.seed is not None else 0
     steps = int(getattr(args, "steps", None) or 25)
-    result = _run_async(run_stack_campaign(seeds, first, steps, root=args.dir + "-stack"))
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print(f"[chaos --stack] {line}", file=sys.stderr, flush=True)
+
+    result = _run_async(run_stack_campaign(seeds, first, steps, root=args.dir + "-stack", progress=progress))
     sys.stdout.write(json.dumps(result) + "\n")
     return 1 if result["failures"] or result["violations"] or result["lost_inputs"] else 0
 

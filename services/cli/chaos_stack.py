@@ -1,7 +1,8 @@
 """`vmfence chaos --stack --seeds N`: the seeded campaign against the real in-process components.
 
 One seed determines the workload, the fault schedule and the bus weather: same-name recreates,
-deletes, hibernate/wake, with faults injected where the real components meet the world — the
+deletes, hibernate/wake of pods, a VirtualMachine whose VM is killed while its status write meets a
+409, with faults injected where the real components meet the world — the
 development API server's lagging cache, injected 409s on status writes, lost responses on deletes,
 dropped watches; the sim runtime crashing or losing VMs; a reconciler SIGKILLed and restarted; and
 at the client boundary of every component (``busfaults``: each reconciler, agent and the watcher
@@ -14,7 +15,8 @@ that the OS schedules, so a failing seed is rerun with the same command but may 
 All seeds share one stack (embedded NATS, API server, watcher, two reconciler processes, two sim
 agents); each seed uses its own pod names. Oracles: the agents' runtime records sampled every 20 ms
 (never two VMs for one key); after each seed's faults stop, every live pod Running with exactly one
-VM owned by it, no VM for a deleted pod; at the end, every input decided (the log's incarnation of
+VM owned by it, no VM for a deleted pod, the VirtualMachine Running on the one VM its status names
+and, once deleted, without a VM; at the end, every input decided (the log's incarnation of
 each live pod, every dead one ended) and the audit of the whole log.
 """
 
@@ -24,6 +26,7 @@ import asyncio
 import contextlib
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,7 @@ from shared.bus import StreamsConfig
 from shared.decisions import read_log
 
 NS = "default"
+GROUP, VERSION, VMS = "vmfence.io", "v1alpha1", "virtualmachines"
 SETTLE_S = 60.0
 PARTITIONS = 4
 DEDUPE_WINDOW_S = 2.0  # short, so that the proxies' late replays land after it (fault 22)
@@ -69,6 +73,23 @@ class _Oracle:
             await asyncio.sleep(0.02)
 
 
+def _vm(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "VirtualMachine", "metadata": {"name": name},
+        "spec": {"cpus": 1, "memory": "128Mi", "restartPolicy": "Always"},
+    }
+
+
+async def _kill_vm(stack: LocalStack, key: str) -> bool:
+    """Crash the running VM of ``key`` at its sim runtime; False if it has none running now."""
+    for agent in list(stack.agents.values()):
+        for info in await agent.driver.list():
+            if info.labels.get("vmfence.io/key") == key and info.state == "running":
+                agent.driver.crash_vm(info.vm_id, exit_code=1)  # type: ignore[attr-defined]
+                return True
+    return False
+
+
 def _pod(name: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "metadata": {"name": name, "labels": {"vmfence.io/managed": "true"}, "annotations": annotations or {}},
@@ -92,6 +113,9 @@ async def _seed(
     def hit(kind: str) -> None:
         faults[kind] = faults.get(kind, 0) + 1
 
+    custom = client.CustomObjectsApi(stack.api)
+    vm_name = f"s{seed}-vm"
+    await custom.create_namespaced_custom_object(GROUP, VERSION, NS, VMS, _vm(vm_name))
     for _ in range(steps):
         name = rng.choice(names)
         roll = rng.random()
@@ -144,6 +168,9 @@ async def _seed(
                 hit("reconciler_sigkill")
             elif roll < 0.89:
                 proxies[rng.choice(sorted(proxies))].cut(rng.choice(CUT_S))
+            elif roll < 0.93 and await _kill_vm(stack, f"vm:{NS}/{vm_name}"):
+                api.faults.inject_error("patch", "virtualmachines/status", 409, count=rng.randrange(1, 3))
+                hit("vm_killed_while_status_conflicts")
             await asyncio.sleep(rng.random() * 0.05)
     await asyncio.sleep(STORM_TAIL_S)  # the stack works through the seed's churn under the weather
     api.faults.set_stale(events=0)
@@ -153,8 +180,12 @@ async def _seed(
     for name in list(stack.recs):
         await stack.wait_reconciler_ready(name)
     deadline = time.monotonic() + SETTLE_S
+    deleted = False
     while True:
-        problem = await _check(stack, core, names)
+        problem = await _check(stack, core, names) or await _check_vm(stack, custom, vm_name, deleted)
+        if problem is None and not deleted:  # then the VirtualMachine goes, and its VM with it
+            await custom.delete_namespaced_custom_object(GROUP, VERSION, NS, VMS, vm_name)
+            deleted, problem = True, "deleting the VirtualMachine"
         if problem is None:
             return None
         if time.monotonic() > deadline:
@@ -198,12 +229,26 @@ async def _check(stack: LocalStack, core: client.CoreV1Api, names: list[str]) ->
     return None
 
 
+async def _check_vm(stack: LocalStack, custom: client.CustomObjectsApi, name: str, deleted: bool) -> str | None:
+    key = f"vm:{NS}/{name}"
+    have = [v for a in list(stack.agents.values()) for v in await a.driver.list()
+            if v.labels.get("vmfence.io/key") == key and v.state in ("running", "paused", "creating")]
+    if deleted:
+        return f"{key}: {len(have)} VM(s) for a deleted VirtualMachine" if have else None
+    obj = await custom.get_namespaced_custom_object(GROUP, VERSION, NS, VMS, name)
+    st = obj.get("status") or {}
+    ready = {c["type"]: c["status"] for c in st.get("conditions", [])}.get("Ready")
+    if st.get("phase") != "Running" or ready != "True" or len(have) != 1 or st.get("vmID") != have[0].vm_id:
+        return f"{key}: phase {st.get('phase')}, Ready={ready}, vmID {st.get('vmID')}, {len(have)} VM(s)"
+    return None
+
+
 async def _log_tail(stack: LocalStack, problem: str, n: int = 8) -> list[str]:
     """The key's last entries, to read a failure without a rerun (interleavings do not replay)."""
     from services.cli.logcmds import describe
 
     assert stack.bus is not None
-    key = problem.split(":")[0]
+    key = problem.split(": ", 1)[0]
     entries = [r.entry async for r in read_log(stack.bus.js, stack.bus.subjects) if r.entry.key == key]
     lines = [f"#{e.n} " + ", ".join(describe(d) for d in e.decisions) for e in entries[-n:]]
     # what the watcher published for the key (uid:resourceVersion, g = gone), and the pod now
@@ -222,7 +267,8 @@ async def _log_tail(stack: LocalStack, problem: str, n: int = 8) -> list[str]:
 
 
 async def run_stack_campaign(
-    seeds: int, first: int = 0, steps: int = 25, root: str = ".vmfence/chaos-stack"
+    seeds: int, first: int = 0, steps: int = 25, root: str = ".vmfence/chaos-stack",
+    progress: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     start = time.perf_counter()
     proxies: dict[str, BusProxy] = {}
@@ -250,10 +296,13 @@ async def run_stack_campaign(
         assert stack.api is not None
         core = client.CoreV1Api(stack.api)
         for seed in range(first, first + seeds):
+            t0 = time.perf_counter()
             problem = await _seed(stack, core, proxies, seed, steps, faults)
             if problem is not None:
                 failures.append({"seed": seed, "invariant": problem, "log_tail": await _log_tail(stack, problem),
                                  "replay": f"vmfence chaos --stack --seed {seed} --steps {steps}"})
+            progress(f"seed {seed}: {problem or 'ok'} ({time.perf_counter() - t0:.1f}s, "
+                     f"{len(failures)} failing so far, max {oracle.max_per_key} VM per key)")
         assert stack.bus is not None
         records = [r async for r in read_log(stack.bus.js, stack.bus.subjects)]
         report = audit_records(records, final=False)
