@@ -510,6 +510,8 @@ async def replay_figure(url: str, partitions: int, tmp: str) -> dict[str, Any]:
     from_js = json.loads(out)
     data = Path(path).read_bytes()
     entries = from_file["entries"]
+    if not entries:
+        raise RuntimeError("replay: the log is empty (run it with the pods or latency figures)")
     # raw decoding of the same file: typed (the records replay needs) and untyped msgpack
     typed = []
     for _ in range(3):
@@ -886,7 +888,9 @@ async def run_all(
                         "met": None if at200 is None else (at200["to_bound_p99_s"] or 1e9) < 0.1,
                         "command": f"{cmd} --only latency",
                     }
-                run = await sb.pods_run() if {"decisions", "pods"} & set(only) else None
+                # replay needs a log: without the latency loads, the N-pod run writes it
+                wants_run = bool({"decisions", "pods"} & set(only)) or ("replay" in only and "latency" not in only)
+                run = await sb.pods_run() if wants_run else None
                 if run is not None and "decisions" in only:
                     figs["decisions"] = {
                         "decisions_per_s": run["decisions_per_s"],

@@ -111,7 +111,7 @@ async def replay(args: argparse.Namespace) -> int:
     if args.json:
         out = msgspec.to_builtins(report)
         out["clean"] = report.clean
-        out["seconds"] = round(seconds, 3)
+        out["seconds"] = round(seconds, 6)
         sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
     else:
         _print_report(report, seconds)
