@@ -47,6 +47,7 @@ from collections.abc import Sequence
 import msgspec
 
 from shared.schema import (
+    NO_INCARNATION,
     SURVEY_VM_ID,
     Admitted,
     Adopted,
@@ -368,14 +369,15 @@ def _verify_first(run: _Run) -> bool:
     s = run.s
     if not s.unverified:
         return False
-    if not any(_is_survey_effect(e) for e in s.outbox.values()):
+    if not _verifying(s):
         _survey(run)
     return True
 
 
-def _is_survey_effect(e: object) -> bool:
-    return (isinstance(e, Commanded) and e.command.op == "survey") or (
-        isinstance(e, TimerArmed) and e.purpose == "survey"
+def _verifying(s: KeyState) -> bool:
+    """A survey round sent since the load is out, or a retry of one is armed."""
+    return bool(s.verifying) or (
+        s.unverified and any(isinstance(e, TimerArmed) and e.purpose == "survey" for e in s.outbox.values())
     )
 
 
@@ -486,8 +488,8 @@ def _on_result(run: _Run, r: CommandResult) -> None:
                 for item in r.found:
                     if item.vm_id not in s.vms:
                         _discover(run, item)
-                if not s.rebuilding and not any(_is_survey_effect(e) for e in s.outbox.values()):
-                    _after_release(run)  # (still unverified after a survey from an older epoch: another)
+                if not s.rebuilding and not _verifying(s):
+                    _after_release(run)  # (still unverified after a round from an older epoch: another)
             else:
                 _arm(run, cmd.fence, "survey", EFFECT_RETRY_S)
 
@@ -526,7 +528,7 @@ def _after_release(run: _Run) -> None:
     if cur is None:
         return
     if cur.delete_claim:
-        if not s.rebuilding and not _vms_of(s, cur):
+        if not s.rebuilding and not _vms_of(s, cur) and not _verify_first(run):
             _finish_delete(run, cur)
         return
     _bring_up(run)
@@ -551,10 +553,11 @@ def _delete_path(run: _Run, cur: Incarnation, *, gone: bool) -> None:
     if not mine:
         if gone:
             _forget(run, cur)
-        elif not s.rebuilding:
+        elif not s.rebuilding and not _verify_first(run):
             _finish_delete(run, cur)
-        # else: a survey is out after a lost log tail; a VM the lost tail made may still run, so
-        # the object stays until every host answered (its answer finishes the delete)
+        # else: a survey is out after a lost log tail (or, loaded from the log, to find one nobody
+        # saw); a VM the lost tail made may still run, so the object stays until every host
+        # answered (its answer finishes the delete)
 
 
 def _vms_of(s: KeyState, cur: Incarnation) -> list[VMRec]:
@@ -611,7 +614,11 @@ def _on_exited(run: _Run, e: VMExited) -> None:
 def _on_gone(run: _Run, g: VMGone) -> None:
     s = run.s
     rec = s.vms.get(g.vm_id)
-    if rec is None or rec.fence != g.fence:
+    if rec is not None and rec.fence != g.fence and rec.state == "adopting" and s.is_current(g.fence):
+        # lost after the agent moved it to the adopting fence, before the adopt's answer came back:
+        # it is gone all the same (as an adopt answered not_found: released, a new VM made)
+        pass
+    elif rec is None or rec.fence != g.fence:
         _skip_foreign(run, g.fence, f"vm-gone of {g.vm_id}")
         return
     cur = s.cur
@@ -758,7 +765,9 @@ def _agent_fences(state: KeyState, inp: Input) -> list[Fence]:
 
 def _survey(run: _Run) -> None:
     s = run.s
-    fence = Fence(s.key, s.cur.fence.uid if s.cur is not None else "", s.epoch)
+    # under the owner of the key's epoch ("" if none: agents then hold that epoch for no incarnation)
+    owner = s.cur.fence.uid if s.cur is not None else s.epoch_uid
+    fence = Fence(s.key, "" if owner == NO_INCARNATION else owner, s.epoch)
     if not run.env.hosts:
         _arm(run, fence, "survey", PLACE_RETRY_S)
         return

@@ -168,6 +168,10 @@ Input = (
 
 CommandOp = Literal["create", "start", "remove", "hibernate", "wake", "adopt", "inspect", "survey"]
 SURVEY_VM_ID = "survey"  # a survey names no VM: it asks a host for every VM of the command's key
+# the owner of an epoch the log gave to no incarnation (a Rebuilt with none current): an agent's key
+# mark holds it after a survey under such an epoch (fence uid ""), so no command at that epoch is let
+# through — only a log that lost entries can have given that epoch to a uid
+NO_INCARNATION = "-"
 
 
 class Command(msgspec.Struct, frozen=True, omit_defaults=True):

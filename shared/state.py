@@ -12,6 +12,7 @@ from typing import Literal
 import msgspec
 
 from shared.schema import (
+    NO_INCARNATION,
     Admitted,
     Adopted,
     Bound,
@@ -108,6 +109,9 @@ class KeyState(msgspec.Struct, omit_defaults=True):
     # handover) and cannot know whether the log lost a tail before it did. The first VM it makes for
     # the key waits for a survey of every host; the fold of that survey's last answer clears it.
     unverified: bool = False
+    # survey commands issued while ``unverified``: only a round issued after the load verifies (a
+    # round from before it, re-sent from the outbox, may describe hosts as they were long ago)
+    verifying: list[str] = msgspec.field(default_factory=list)
 
     def is_tombstoned(self, uid: str) -> bool:
         return uid in self.tombstones
@@ -144,10 +148,16 @@ def fold(s: KeyState, d: Decision) -> KeyState:
                 and not any(_is_survey(e) for e in s.outbox.values())
             ):
                 s.rebuilding = False
-                if done.command.fence.epoch >= s.epoch:
-                    # every host answered a survey at the current epoch: each has raised its key
-                    # mark to it, so a command of a lost tail at or below it is refused there
-                    s.unverified = False
+            if eid in s.verifying:
+                if d.outcome != "ok":
+                    s.verifying.clear()  # the round failed; the next one verifies
+                else:
+                    s.verifying.remove(eid)
+                    if not s.verifying and isinstance(done, Commanded) and done.command.fence.epoch >= s.epoch:
+                        # every host answered a survey sent since the load at the current epoch:
+                        # each has raised its key mark to it, so a command of a lost tail at or
+                        # below it is refused there, and what each has of the key is known
+                        s.unverified = False
         case WriteRequested(write=w):
             if w.verb != "event":
                 s.outbox[w.id] = d
@@ -155,6 +165,8 @@ def fold(s: KeyState, d: Decision) -> KeyState:
                 c.status = w.status
         case Commanded(command=cmd):
             s.outbox[cmd.id] = d
+            if s.unverified and cmd.op == "survey":
+                s.verifying.append(cmd.id)
             rec = s.vms.get(cmd.vm_id)
             if rec is not None:
                 if cmd.op == "remove":
@@ -258,10 +270,11 @@ def fold(s: KeyState, d: Decision) -> KeyState:
             s.epoch = max(s.epoch, floor) + 1
             s.rebuilding = True
             s.vms.clear()
+            s.verifying.clear()
             for eid, eff in list(s.outbox.items()):
                 if isinstance(eff, Commanded):
                     del s.outbox[eid]
-            s.epoch_uid = s.cur.fence.uid if s.cur is not None else ""
+            s.epoch_uid = s.cur.fence.uid if s.cur is not None else NO_INCARNATION
             if s.cur is not None:
                 c = s.cur
                 c.fence = Fence(s.key, c.fence.uid, s.epoch)

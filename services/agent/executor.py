@@ -31,7 +31,7 @@ from services.agent.runtime import (
     VMInfo,
     VMSpec,
 )
-from shared.schema import Command, CommandResult, Fence, Inventoried, Spec
+from shared.schema import NO_INCARNATION, Command, CommandResult, Fence, Inventoried, Spec
 
 log = logging.getLogger("vmfence.agent.executor")
 
@@ -116,7 +116,9 @@ class Executor:
     async def execute(self, cmd: Command) -> tuple[CommandResult, bool]:
         """The command's result and whether it was replayed from the ledger (a redelivery)."""
         async with self.locks.hold(cmd.vm_id):
-            stored = await self.ledger.result(cmd.id)
+            # a survey is a question about now: a redelivered one is answered afresh (it changes no
+            # VM), never from the ledger — a stored answer may predate a VM a lost log tail made
+            stored = None if cmd.op == "survey" else await self.ledger.result(cmd.id)
             if stored is not None:
                 log.info("redelivered command answered from the ledger", extra=cmd_fields(cmd))
                 return stored, True
@@ -128,7 +130,9 @@ class Executor:
                 result: CommandResult = await self._answer(cmd, "fenced", why)
             else:
                 if cmd.op != "remove":
-                    await self.ledger.raise_key_mark(cmd.fence.key, cmd.fence.epoch, cmd.fence.uid)
+                    # a survey under an epoch the log gave to no incarnation (fence uid ""):
+                    # nothing may run at that epoch here
+                    await self.ledger.raise_key_mark(cmd.fence.key, cmd.fence.epoch, cmd.fence.uid or NO_INCARNATION)
                 handler = getattr(self, f"_op_{cmd.op}")
                 result = await handler(cmd)
             level = logging.INFO if result.outcome in ("ok", "not_found") else logging.WARNING

@@ -73,7 +73,9 @@ def run_seed(
     seed: int, *, steps: int = 60, keys: int = 2, exclude: frozenset[str] = frozenset(), unseen_cuts: bool = False,
 ) -> SeedResult:
     rng = random.Random(seed)
-    world = World(keys=keys, vm_keys=1 if rng.random() < 0.3 else 0)
+    # the unseen-cut variant also spreads VMs over the hosts: a cut nobody saw is most dangerous
+    # when the next VM lands on a host that never saw the lost tail's epochs
+    world = World(keys=keys, vm_keys=1 if rng.random() < 0.3 else 0, spread=unseen_cuts)
     result = SeedResult(seed, 0)
     try:
         for _ in range(steps):

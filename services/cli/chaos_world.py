@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from shared.audit import AuditReport, audit
 from shared.decide import DecideEnv, HostView, decide, rebuild
 from shared.schema import (
+    NO_INCARNATION,
     Command,
     Commanded,
     CommandResult,
@@ -71,7 +72,7 @@ class Agent:
 
     def execute(self, cmd: Command) -> CommandResult:
         """Measure, act on the difference, record by command id (answers redeliveries)."""
-        done = self.results.get(cmd.id)
+        done = self.results.get(cmd.id) if cmd.op != "survey" else None  # a survey is answered afresh
         if done is not None:
             return done
         vm = self.vms.get(cmd.vm_id)
@@ -83,7 +84,8 @@ class Agent:
         key_fenced = cmd.op not in ("remove", "survey") and (cmd.fence.epoch < mark or other_uid)
         raises = cmd.fence.epoch > mark or (cmd.fence.epoch == mark and not mark_uid)
         if not key_fenced and cmd.op != "remove" and raises:
-            self.marks[key], self.mark_uids[key] = cmd.fence.epoch, cmd.fence.uid
+            # a survey under an epoch the log gave to no incarnation: nothing may run at that epoch
+            self.marks[key], self.mark_uids[key] = cmd.fence.epoch, cmd.fence.uid or NO_INCARNATION
         if key_fenced:
             outcome = "fenced"  # older than a fence this host already saw for the key, or its epoch reused
         elif vm is not None and cmd.fence.epoch < vm.owner.epoch:
@@ -156,7 +158,7 @@ class Msg:
 
 
 class World:
-    def __init__(self, keys: int = 2, stale_lag: int = 3, vm_keys: int = 0) -> None:
+    def __init__(self, keys: int = 2, stale_lag: int = 3, vm_keys: int = 0, spread: bool = False) -> None:
         self.keys = [f"default/pod-{i}.x" for i in range(keys)] + [f"vm:default/db-{i}" for i in range(vm_keys)]
         self.pods: dict[str, Pod] = {}
         self.rv = itertools.count(1)
@@ -168,6 +170,9 @@ class World:
         self.log: list[LogEntry] = []
         self.bag: list[Msg] = []
         self.env = DecideEnv(hosts=[HostView(h, 64, 65536) for h in HOSTS], restart_backoff_base_s=0.0)
+        # placement follows the hosts' VM counts (as heartbeats report them), so a key's successive
+        # VMs land on different hosts; off, every VM lands on host-a (the default schedule's model)
+        self.spread = spread
         self.max_vms_per_key = 0
         self.faults: dict[str, int] = {}
         self.write_faults: list[str] = []  # queued outcomes forced on the next writes: conflict|lost
@@ -307,11 +312,17 @@ class World:
 
     def _decide(self, key: str, inp: Input) -> None:
         s = self.states[key]
-        decisions = decide(s, inp, self.env)
+        decisions = decide(s, inp, self._env())
         if not decisions:
             return
         self._append(key, decisions)
         self._emit(key, list(decisions))
+
+    def _env(self) -> DecideEnv:
+        if not self.spread:
+            return self.env
+        hosts = [HostView(h, 64, 65536, vms=len(self.agents[h].vms)) for h in HOSTS]
+        return DecideEnv(hosts=hosts, restart_backoff_base_s=self.env.restart_backoff_base_s)
 
     def _append(self, key: str, decisions: list[Decision]) -> None:
         s = self.states[key]
@@ -329,9 +340,9 @@ class World:
         self.bag = [m for m in self.bag if m.kind in ("input", "command")]
         for key in self.keys:
             self.states[key] = self._fold_log(key)
-            # loaded from the log: whether the log lost a tail before the load cannot be known
-            # (Partition.load does the same), so its first VM waits for a survey
-            self.states[key].unverified = self.states[key].n > 0
+            # loaded from the log: whether the log lost a tail before the load (all of it, even)
+            # cannot be known (Partition does the same), so its first VM waits for a survey
+            self.states[key].unverified = True
             self._emit(key, list(self.states[key].outbox.values()))
 
     def _fold_log(self, key: str, upto: int | None = None) -> KeyState:
@@ -354,7 +365,7 @@ class World:
         self.states[key] = rebuilt
         self.bag = [m for m in self.bag if not (m.key == key and m.kind in ("confirm", "write", "timer"))]
         if rebuilt.n < known.n:
-            self._append(key, rebuild(rebuilt, known.epoch, self.env, "log tail lost"))
+            self._append(key, rebuild(rebuilt, known.epoch, self._env(), "log tail lost"))
         self._emit(key, list(self.states[key].outbox.values()))
 
     def lose_log_tail_unseen(self, key: str, k: int) -> None:
@@ -374,8 +385,9 @@ class World:
         stale = self._fold_log(key, max(0, n - back))
         if stale.n != n:
             self.count("lost_race")
-        # the loser re-reads the log: what it ends up with is exactly the log's state
+        # the loser re-reads the log: what it ends up with is exactly the log's state, read cold
         self.states[key] = self._fold_log(key)
+        self.states[key].unverified = True
 
     def add_finalizer(self, key: str) -> None:
         pod = self.pods.get(key)
