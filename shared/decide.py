@@ -92,6 +92,7 @@ from shared.schema import (
     WriteRequested,
 )
 from shared.state import Incarnation, KeyState, VMRec, fold
+from shared.state import vm_name as _vm_name
 
 # Named bounds (seconds) for the re-checks timers trigger.
 PLACE_RETRY_S = 2.0
@@ -394,12 +395,6 @@ def _place(env: DecideEnv, spec: Spec) -> str | None:
     return min(fits, key=lambda h: (h.vms, -h.memory_free_mib, h.name)).name
 
 
-def _vm_name(key: str, uid: str, gen: int) -> str:
-    name = key.rsplit("/", 1)[-1]
-    safe = "".join(ch if ch.isalnum() or ch == "-" else "-" for ch in name.lower())[:40].strip("-")
-    return f"{safe or 'vm'}-{uid.replace('-', '')[:8]}-{gen}"
-
-
 # ---------------------------------------------------------------------------------- results
 
 
@@ -413,7 +408,7 @@ def _on_result(run: _Run, r: CommandResult) -> None:
         run.add(Skipped("stale_effect", r.fence.uid, f"result fence does not match command {cmd.id}"))
         return
     run.add(Done(cmd.id, r.outcome))
-    rec = s.vms.get(cmd.vm_id)
+    rec = _rec_on(s, cmd.vm_id, cmd.host)
     cur = s.cur
     if r.outcome == "fenced":
         run.add(Skipped("fenced", r.fence.uid, f"agent refused {cmd.op} of {cmd.vm_id}"))
@@ -424,6 +419,12 @@ def _on_result(run: _Run, r: CommandResult) -> None:
             # real owner; collect it under that fence unless that is the current incarnation.
             run.add(Discovered(owner.fence, owner.vm_id, owner.host))
             if cur is None or cur.fence != owner.fence or cur.deleting:
+                _command(run, "remove", owner.fence, owner.host, owner.vm_id, None)
+            elif cur.vm_id is None and len(s.vms) == 1:
+                # the current fence already owns it and the log never bound it (an adopt of a lost
+                # tail, re-decided otherwise): it is the incarnation's VM; adopt it (rule 8)
+                _command(run, "adopt", cur.fence, owner.host, owner.vm_id, cur.spec)
+            elif cur.vm_id != owner.vm_id:
                 _command(run, "remove", owner.fence, owner.host, owner.vm_id, None)
             return
         # otherwise the VM does not exist for us (removed for good, or never made): our record of
@@ -494,9 +495,17 @@ def _on_result(run: _Run, r: CommandResult) -> None:
                 _arm(run, cmd.fence, "survey", EFFECT_RETRY_S)
 
 
+def _rec_on(s: KeyState, vm_id: str, host: str) -> VMRec | None:
+    """The key's record of ``vm_id`` if it is the VM on ``host``: after a cut nobody saw, a name the
+    lost tail gave a VM (since lost or removed) may be given again on another host; news about the
+    old one must not touch the new one's record."""
+    rec = s.vms.get(vm_id)
+    return rec if rec is not None and rec.host == host else None
+
+
 def _result_up(run: _Run, cmd: Command, r: CommandResult) -> None:
     s = run.s
-    rec = s.vms.get(cmd.vm_id)
+    rec = _rec_on(s, cmd.vm_id, cmd.host)
     cur = s.cur
     if r.outcome != "ok":
         if rec is not None and rec.fence == cmd.fence:
@@ -587,7 +596,7 @@ def _forget(run: _Run, cur: Incarnation) -> None:
 
 def _on_exited(run: _Run, e: VMExited) -> None:
     s = run.s
-    rec = s.vms.get(e.vm_id)
+    rec = _rec_on(s, e.vm_id, e.host)
     cur = s.cur
     if rec is None or rec.fence != e.fence or cur is None or cur.fence != e.fence:
         _skip_foreign(run, e.fence, f"exit of {e.vm_id}")
@@ -613,7 +622,7 @@ def _on_exited(run: _Run, e: VMExited) -> None:
 
 def _on_gone(run: _Run, g: VMGone) -> None:
     s = run.s
-    rec = s.vms.get(g.vm_id)
+    rec = _rec_on(s, g.vm_id, g.host)
     if rec is not None and rec.fence != g.fence and rec.state == "adopting" and s.is_current(g.fence):
         # lost after the agent moved it to the adopting fence, before the adopt's answer came back:
         # it is gone all the same (as an adopt answered not_found: released, a new VM made)
@@ -644,7 +653,7 @@ def _on_gone(run: _Run, g: VMGone) -> None:
 def _on_probe(run: _Run, p: ProbeChanged) -> None:
     s = run.s
     cur = s.cur
-    if cur is None or cur.fence != p.fence or cur.vm_id != p.vm_id or not cur.bound:
+    if cur is None or cur.fence != p.fence or cur.vm_id != p.vm_id or cur.host != p.host or not cur.bound:
         _skip_foreign(run, p.fence, f"probe of {p.vm_id}")
         return
     if cur.ready != p.ready:

@@ -280,12 +280,30 @@ def fold(s: KeyState, d: Decision) -> KeyState:
                 c.fence = Fence(s.key, c.fence.uid, s.epoch)
                 c.vm_id, c.bound, c.ready = None, False, False
         case Discovered(fence=f, vm_id=vm_id, host=host):
+            if s.cur is not None and s.cur.fence.uid == f.uid:
+                # a VM of this incarnation the log did not know (a lost tail made it): its name is
+                # never given again, so the next VM's generation goes past it
+                s.cur.gen = max(s.cur.gen, _gen_of(s.key, f.uid, vm_id))
             rec = s.vms.get(vm_id)
             if rec is None:
                 s.vms[vm_id] = VMRec(vm_id=vm_id, host=host, fence=f, state="discovered")
             else:
                 rec.fence, rec.host = f, host
     return s
+
+
+def vm_name(key: str, uid: str, gen: int) -> str:
+    """The name of an incarnation's ``gen``-th VM: ``<pod name>-<uid[:8]>-<gen>``."""
+    name = key.rsplit("/", 1)[-1]
+    safe = "".join(ch if ch.isalnum() or ch == "-" else "-" for ch in name.lower())[:40].strip("-")
+    return f"{safe or 'vm'}-{uid.replace('-', '')[:8]}-{gen}"
+
+
+def _gen_of(key: str, uid: str, vm_id: str) -> int:
+    """The generation in a VM name of this incarnation (0: not one of its names)."""
+    prefix = vm_name(key, uid, 0)[:-1]
+    tail = vm_id[len(prefix):] if vm_id.startswith(prefix) else ""
+    return int(tail) if tail.isdigit() else 0
 
 
 def _is_survey(eff: Effect) -> bool:
