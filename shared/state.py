@@ -104,14 +104,14 @@ class KeyState(msgspec.Struct, omit_defaults=True):
     rebuilding: bool = False  # after a lost tail: no VM is made until every host was surveyed
     # the uid the log gave ``epoch`` to ("" before any, or after a rebuild with no incarnation). An
     # agent showing another uid at that epoch shows a lost tail (decide.cut_evidence).
-    epoch_uid: str = ""
+    epoch_uid: str = msgspec.field(default="", name="eu")
     # set by the shell, never by a decision: the writer loaded this key from the log (a restart, a
     # handover) and cannot know whether the log lost a tail before it did. The first VM it makes for
     # the key waits for a survey of every host; the fold of that survey's last answer clears it.
-    unverified: bool = False
+    unverified: bool = msgspec.field(default=False, name="uv")
     # survey commands issued while ``unverified``: only a round issued after the load verifies (a
     # round from before it, re-sent from the outbox, may describe hosts as they were long ago)
-    verifying: list[str] = msgspec.field(default_factory=list)
+    verifying: list[str] = msgspec.field(default_factory=list, name="vf")
 
     def is_tombstoned(self, uid: str) -> bool:
         return uid in self.tombstones

@@ -91,6 +91,7 @@ class Partition:
         self.max_ack_pending = max_ack_pending
         self.fetch_batch = fetch_batch
         self.keys: dict[str, KeySlot] = {}
+        self._loaded = False  # keys first seen after load() start unverified (KeyState.unverified)
         self.held = True  # cleared the moment the lease is lost: no append after that
         self._max_seen = 0  # highest log sequence this partition has folded
         self._inflight_floors: Counter[int] = Counter()
@@ -142,6 +143,12 @@ class Partition:
             floor = await self._reload(slot, full=True)
             if _lost(known, floor):
                 await self._rebuild(slot, known)  # submits the rebuilt key's outbox
+        # nothing loaded from the log shows whether it lost a tail before this load (no memory of
+        # ours covers its end): every key surveys the hosts before the first VM it makes (_slot
+        # does the same for keys first seen later: their whole log may have been lost)
+        for slot in self.keys.values():
+            slot.state.unverified = True
+        self._loaded = True
         # the outbox: effects decided but maybe not carried out before a crash or handover
         for key, slot in self.keys.items():
             if slot.state.outbox and key not in unbacked:
@@ -150,7 +157,7 @@ class Partition:
     def _slot(self, key: str) -> KeySlot:
         slot = self.keys.get(key)
         if slot is None:
-            slot = self.keys[key] = KeySlot(KeyState(key=key))
+            slot = self.keys[key] = KeySlot(KeyState(key=key, unverified=self._loaded))
         return slot
 
     async def _reload(self, slot: KeySlot, *, full: bool = False) -> int | None:
@@ -161,7 +168,8 @@ class Partition:
         subject = self.subjects.log(_key(key))
         floor = -1
         if full:
-            slot.state, slot.last_seq = KeyState(key=key), 0
+            # re-read cold: another writer's entries, or a log that is not a continuation of ours
+            slot.state, slot.last_seq = KeyState(key=key, unverified=True), 0
         async for msg in read_subject(self.js, self.subjects.stream_log, subject, after_seq=slot.last_seq):
             entry = decode_entry(msg.data)
             if entry.n != slot.state.n + 1:
