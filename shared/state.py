@@ -200,6 +200,8 @@ def fold(s: KeyState, d: Decision) -> KeyState:
             s.epoch = max(s.epoch, f.epoch)
             s.admitted_rv = max(s.admitted_rv, rv)
             s.cur = Incarnation(fence=f, spec=spec, invalid=invalid, rv=rv, admitted_at=s.n + 1)
+            for rec in s.vms.values():
+                _note_name(s, rec.fence.uid, rec.vm_id)
         case Placed(fence=f, vm_id=vm_id, host=host):
             s.vms[vm_id] = VMRec(vm_id=vm_id, host=host, fence=f, state="creating")
             if (c := _cur_for(s, f)) is not None:
@@ -280,10 +282,7 @@ def fold(s: KeyState, d: Decision) -> KeyState:
                 c.fence = Fence(s.key, c.fence.uid, s.epoch)
                 c.vm_id, c.bound, c.ready = None, False, False
         case Discovered(fence=f, vm_id=vm_id, host=host):
-            if s.cur is not None and s.cur.fence.uid == f.uid:
-                # a VM of this incarnation the log did not know (a lost tail made it): its name is
-                # never given again, so the next VM's generation goes past it
-                s.cur.gen = max(s.cur.gen, _gen_of(s.key, f.uid, vm_id))
+            _note_name(s, f.uid, vm_id)
             rec = s.vms.get(vm_id)
             if rec is None:
                 s.vms[vm_id] = VMRec(vm_id=vm_id, host=host, fence=f, state="discovered")
@@ -297,6 +296,13 @@ def vm_name(key: str, uid: str, gen: int) -> str:
     name = key.rsplit("/", 1)[-1]
     safe = "".join(ch if ch.isalnum() or ch == "-" else "-" for ch in name.lower())[:40].strip("-")
     return f"{safe or 'vm'}-{uid.replace('-', '')[:8]}-{gen}"
+
+
+def _note_name(s: KeyState, uid: str, vm_id: str) -> None:
+    """A VM of the current incarnation the log did not make (a lost tail did): its name is never
+    given again, so the next VM's generation goes past it."""
+    if s.cur is not None and s.cur.fence.uid == uid:
+        s.cur.gen = max(s.cur.gen, _gen_of(s.key, uid, vm_id))
 
 
 def _gen_of(key: str, uid: str, vm_id: str) -> int:

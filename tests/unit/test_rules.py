@@ -8,9 +8,12 @@ import pytest
 from shared.audit import audit
 from shared.decide import DecideEnv, decide
 from shared.schema import (
+    NO_INCARNATION,
     Admitted,
     Bound,
+    Command,
     Commanded,
+    CommandResult,
     ConfirmedRead,
     ConfirmRequested,
     DeleteClaimed,
@@ -552,3 +555,179 @@ def test_reports_within_the_epochs_the_log_knows_never_rebuild() -> None:
                 ProbeChanged(c1.fence, c1.host, c1.vm_id, True)):
         assert of(d.feed(inp), Rebuilt) == []
     assert not d.state.rebuilding
+
+
+# ------------- an unseen cut that reuses an epoch, a key loaded from the log, answers to lost effects
+
+
+def _reused_epoch() -> tuple[Driver, Command]:
+    """u1 ran; the lost tail recreated the pod as u2 (epoch 2) and u2's VM runs on host-a. After
+    the cut the pod is recreated again (u5): the cut log admits u5 at epoch 2 — the epoch the lost
+    tail gave u2."""
+    d = Driver()
+    c1 = d.run_up("u1")
+    keep = len(d.log)
+    d.admit("u2")
+    (remove,) = d.commands("remove")
+    d.answer(remove)
+    (c2,) = d.commands("create")
+    d.answer(c2, ip="10.0.0.9")
+    cut_unseen(d, keep)
+    d.admit("u5")
+    (remove,) = d.commands("remove")
+    assert remove.vm_id == c1.vm_id
+    d.answer(remove, "not_found", key_epoch=2, key_uid="u2")
+    return d, c2
+
+
+def test_an_agent_holding_the_logs_newest_epoch_for_another_uid_shows_an_unseen_cut() -> None:
+    """Same epoch reused: the host that saw u2 at epoch 2 refuses u5's create at epoch 2 (its mark
+    names u2); the refusal — or any answer carrying that mark — rebuilds the key instead of making a
+    second VM beside u2's."""
+    d, c2 = _reused_epoch()
+    rebuilt = [x for e in d.log for x in e.decisions if isinstance(x, Rebuilt)]
+    assert [r.epoch_floor for r in rebuilt] == [2], "u2 held at the epoch the log gave u5 must show the cut"
+    assert d.state.rebuilding and d.state.epoch == 3 and d.state.epoch_uid == "u5"
+    assert d.commands("create") == []
+    vm2 = Inventoried(c2.fence, c2.host, c2.vm_id, "running")
+    answer_surveys(d, {c2.host: [vm2]})
+    assert [r.seen_uid for r in d.pending(ConfirmRequested)] == ["u2"]
+    (read,) = d.pending(ConfirmRequested)
+    d.feed(ConfirmedRead(KEY, read.request, "u5", d.next_rv()))  # u5 owns the name
+    (remove,) = d.commands("remove")
+    assert remove.vm_id == c2.vm_id and remove.fence == c2.fence
+    d.answer(remove)
+    (create,) = d.commands("create")
+    assert create.fence.uid == "u5" and create.fence.epoch == d.state.epoch
+    assert audit(d.log, final=False).clean
+
+
+def test_a_key_loaded_from_the_log_surveys_every_host_before_its_first_vm() -> None:
+    """A writer that loaded the key from the log cannot know whether the log lost a tail before: its
+    first VM waits for a survey at the current fence (raising every host's key mark to it) — also
+    for a delete with no VM known. A survey round sent before the load does not count."""
+    d = Driver()
+    d.state.unverified = True
+    d.admit("u1")
+    assert d.commands("create") == []
+    surveys = d.commands("survey")
+    assert {s.host for s in surveys} == {"host-a", "host-b"}
+    assert all(s.fence == Fence(KEY, "u1", 1) for s in surveys)
+    answer_surveys(d, {})
+    assert not d.state.unverified
+    (create,) = d.commands("create")
+    assert create.fence == Fence(KEY, "u1", 1)
+    # a delete of an unverified incarnation with no VM known keeps the object until the survey
+    e = Driver()
+    e.admit("u1")
+    e.answer(e.commands("create")[0], "failed")
+    e.state.unverified = True
+    e.feed(Observed(KEY, "u1", e.next_rv(), deleting=True))
+    assert e.writes("delete") == [] and len(e.commands("survey")) == 2
+    answer_surveys(e, {})
+    assert len(e.writes("delete")) == 1
+
+
+def test_a_survey_round_from_before_the_load_does_not_verify_the_key() -> None:
+    d = Driver()
+    lose_tail_keep = len(d.log)
+    d.run_up("u1")
+    lose_tail(d, lose_tail_keep + 1)  # a seen cut: a survey round is out
+    old = d.commands("survey")
+    d.state.unverified = True  # the writer restarts; the round is re-sent from the outbox
+    answer_surveys(d, {})
+    assert d.state.unverified, "a round sent before the load may describe the hosts as they were"
+    assert {s.id for s in d.commands("survey")}.isdisjoint({s.id for s in old})
+
+
+def test_answers_to_effects_of_a_lost_tail_never_complete_the_cut_logs_effects() -> None:
+    """After an unseen cut, positions and epochs repeat: the read the lost tail asked (for u7) must
+    not answer the read the cut log asks at the same position (for u10)."""
+    d = Driver()
+    d.feed(Observed(KEY, "u7", d.next_rv()))
+    (lost,) = d.pending(ConfirmRequested)
+    cut_unseen(d, 0)
+    d.feed(Observed(KEY, "u10", d.next_rv()))
+    (asked,) = d.pending(ConfirmRequested)
+    assert asked.request != lost.request
+    assert d.feed(ConfirmedRead(KEY, lost.request, "u7", 1)) == []
+    # the same input decided at the same position derives the same ids (rule 11)
+    again = Driver()
+    again.rv = 1
+    again.feed(Observed(KEY, "u10", 2))
+    assert again.pending(ConfirmRequested)[0].request == asked.request
+
+
+def test_an_epoch_a_rebuild_gave_no_incarnation_shown_by_an_agent_under_a_uid_is_a_cut() -> None:
+    """A seen rebuild with no incarnation current gives its epoch to nobody; agents hold it so
+    (NO_INCARNATION) and refuse anything at it. An answer showing a uid at that epoch — a command of
+    a lost tail — proves a cut."""
+    d = Driver()
+    d.feed(Observed(KEY, "u1", d.next_rv()))
+    lose_tail(d, 0)
+    assert d.state.cur is None and d.state.epoch_uid == NO_INCARNATION
+    assert {s.fence for s in d.commands("survey")} == {Fence(KEY, "", 1)}
+    out = d.feed(CommandResult(Fence(KEY, "u6", 1), "lost-create", "create", "host-a", "web-v1-u6-1", "ok"))
+    (rebuilt,) = of(out, Rebuilt)
+    assert rebuilt.epoch_floor == 1 and d.state.epoch == 2
+
+
+def test_a_vm_lost_while_its_adopt_is_in_flight_is_released_and_made_again() -> None:
+    d, vm3, _ = _live_vm_after_an_unseen_cut()
+    d.feed(vm3)
+    answer_surveys(d, {vm3.host: [vm3]})
+    d.admit("u3")
+    (adopt,) = d.commands("adopt")
+    # the agent moved the VM to the adopting fence, then lost it; VM-gone comes before the answer
+    out = d.feed(VMGone(adopt.fence, adopt.host, adopt.vm_id))
+    assert [r.reason for r in of(out, Released)] == ["gone"]
+    (create,) = d.commands("create")
+    assert create.fence == adopt.fence and create.vm_id != adopt.vm_id
+    d.answer(adopt, "not_found")
+    assert d.commands("create") == [create]
+
+
+def test_a_vm_name_a_lost_tail_gave_is_never_given_again_and_namesakes_stay_apart() -> None:
+    d, vm3, _ = _live_vm_after_an_unseen_cut()
+    d.feed(vm3)
+    answer_surveys(d, {vm3.host: [vm3]})
+    d.admit("u3")
+    (adopt,) = d.commands("adopt")
+    d.feed(VMGone(vm3.fence, vm3.host, vm3.vm_id))  # lost before the adopt reached it
+    (create,) = d.commands("create")
+    # the agents' tombstone of that name is per host: given again elsewhere, late news of the lost
+    # VM (this adopt's answer) would land on the new VM's record
+    assert create.vm_id != vm3.vm_id, "a lost tail's VM name is given again"
+    d.answer(adopt, "fenced")
+    assert d.commands("create") == [create] and create.vm_id in d.state.vms
+
+
+def test_news_of_a_namesake_on_another_host_never_touches_the_record() -> None:
+    d = Driver()
+    c1 = d.run_up("u1")
+    other = "host-b" if c1.host == "host-a" else "host-a"
+    assert of(d.feed(VMGone(c1.fence, other, c1.vm_id)), Released) == []
+    assert of(d.feed(VMExited(c1.fence, other, c1.vm_id, 1)), Restarting) == []
+    assert d.state.cur is not None and d.state.cur.bound and d.state.cur.vm_id == c1.vm_id
+
+
+def test_a_fenced_remove_showing_the_current_fence_owns_the_vm_adopts_it() -> None:
+    """The lost tail admitted u2 at epoch 2 and adopted u1's VM; the cut log admits u2 at epoch 2
+    again but, not knowing u1's VM was bound, removes it. The agent refuses (the owner is (u2, 2)):
+    it is u2's VM — adopted, not left 'removing' forever."""
+    d = Driver()
+    c1 = d.run_up("u1", Spec(on_recreate="adopt"))
+    keep = len(d.log)
+    d.admit("u2", Spec(on_recreate="adopt"))
+    (adopt,) = d.commands("adopt")
+    cut_unseen(d, keep - 1)  # the log also lost u1's Bound: its VM was still 'creating'
+    d.admit("u2", Spec(on_recreate="adopt"))
+    assert d.state.cur is not None and d.state.cur.fence == adopt.fence
+    (remove,) = d.commands("remove")
+    out = d.answer(remove, "fenced", found=[Inventoried(adopt.fence, c1.host, c1.vm_id, "running")])
+    assert of(out, Rebuilt) == []
+    (again,) = d.commands("adopt")
+    assert again.vm_id == c1.vm_id and again.fence == adopt.fence
+    d.answer(again, ip="10.0.0.9")
+    assert d.state.cur.bound and d.state.cur.vm_id == c1.vm_id
+    assert audit(d.log, final=True).clean
