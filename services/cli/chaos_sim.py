@@ -52,10 +52,11 @@ FAULTS: dict[str, str] = {
 
 # Opt-in (``campaign(..., unseen_cuts=True)``, or VMFENCE_CHAOS_UNSEEN_CUTS=1 for the CLI): not in the
 # default schedule, which it would reshuffle (the regression seeds replay that schedule), and not
-# green. A cut no reconciler saw is detected only from agents' epochs above the log's (decide.
-# agent_epoch); a cut whose lost entries raised no epoch beyond the cut log's (a lost Placed, VMGone
-# or delete of the same incarnation), or whose lost admission is re-decided for another uid at the
-# same epoch, is invisible until an inventory, and meanwhile a second VM or a stale binding can exist.
+# green at every seed (docs/chaos.md, "Cuts nobody saw"). A cut no reconciler saw is found from the
+# agents (decide.cut_evidence: a fence above the log's epoch, or its newest epoch under another uid)
+# and by the survey every key loaded from the log sends before its first VM. Still open: a VMGone
+# whose entry was lost (nothing reports a lost VM again), and a lost create under exactly the fence
+# the cut log re-admits, in flight past the survey while the cut log places the VM on another host.
 OPT_IN_FAULTS: dict[str, str] = {
     "log_tail_lost_unseen": "17: a lost log tail no reconciler saw (restart without its data dir)",
 }
