@@ -52,7 +52,7 @@ from services.agent.runtime import (
     make_driver,
 )
 from services.agent.runtime.base import VM_ID_RE
-from shared.bus import AppendFailed, Bus, StreamsConfig, dead_letter, provision, publish_input
+from shared.bus import AppendFailed, Bus, StreamsConfig, backoff_delay, dead_letter, provision, publish_input
 from shared.schema import (
     SCHEMA_VERSION,
     Command,
@@ -75,6 +75,7 @@ NET_TIMEOUT_S = 5.0  # one NATS request (ack, KV put, consumer create)
 DLQ_SOURCE = "agent"
 NAK_DELAY_S = 1.0  # redelivery delay after a result could not be published
 FETCH_ERROR_BACKOFF_S = 1.0
+REPORT_RETRY_MAX_S = 5.0  # a runtime event's report is retried at least this often until stored
 LOCK_FILE = "agent.lock"
 CANCEL_ATTEMPTS = 50  # re-cancels of a startup step that swallowed a cancel
 CANCEL_RETRY_S = 0.1
@@ -530,10 +531,10 @@ class Agent:
                 fence = await self.executor.on_exited(ev.vm_id, ev.exit_code)
                 if fence is not None:
                     payload = VMExited(fence=fence, host=host, vm_id=ev.vm_id, exit_code=ev.exit_code)
-                    await self._report("exited", fence, payload,
-                                       f"exit:{host}:{ev.vm_id}:{self.boot}:{self._next_id()}")
-                    log.info("VM exited (code %s)", ev.exit_code,
-                             extra=fence_fields(fence, ev.vm_id, event="exited"))
+                    msg_id = f"exit:{host}:{ev.vm_id}:{self.boot}:{self._next_id()}"
+                    if await self._report_until_stored("exited", fence, payload, msg_id):
+                        log.info("VM exited (code %s)", ev.exit_code,
+                                 extra=fence_fields(fence, ev.vm_id, event="exited"))
             else:
                 fence = await self.executor.on_gone(ev.vm_id)
                 if fence is not None:
@@ -541,10 +542,28 @@ class Agent:
         except Exception:
             log.exception("runtime event not reported", extra={"vm_id": ev.vm_id})
 
+    async def _report_until_stored(self, kind: str, fence: Fence, payload: msgspec.Struct, msg_id: str) -> bool:
+        """A runtime event happens once: nothing would report it again, so its report is retried
+        (same Msg-Id) until JetStream stores it or the agent stops. False if it stopped first; the
+        next inventory still shows the VM's state."""
+        attempt = 0
+        while True:
+            try:
+                await self._report(kind, fence, payload, msg_id)
+                return True
+            except (AppendFailed, nats.errors.Error, TimeoutError) as e:
+                delay = min(REPORT_RETRY_MAX_S, backoff_delay(attempt))
+                attempt += 1
+                log.warning("%s report not stored (%r); retrying in %.1fs", kind, e, delay,
+                            extra=fence_fields(fence, getattr(payload, "vm_id", None), event=kind))
+                if await self._sleep(delay):
+                    return False
+
     async def _publish_gone(self, fence: Fence, vm_id: str) -> None:
         host = self.config.host
-        await self._report("gone", fence, VMGone(fence=fence, host=host, vm_id=vm_id), f"gone:{host}:{vm_id}")
-        log.warning("VM gone: the runtime no longer knows it", extra=fence_fields(fence, vm_id, event="gone"))
+        if await self._report_until_stored("gone", fence, VMGone(fence=fence, host=host, vm_id=vm_id),
+                                           f"gone:{host}:{vm_id}"):
+            log.warning("VM gone: the runtime no longer knows it", extra=fence_fields(fence, vm_id, event="gone"))
 
     # ------------------------------------------------------------------ inventory & heartbeat
     async def inventory(self) -> str:

@@ -7,6 +7,8 @@ does to that component's traffic what a real network and a real server do to a c
 - ``delivery_lost``        a JetStream delivery never reaches the client (redelivered after ack-wait)
 - ``delivery_duplicated``  a delivery reaches it twice
 - ``ack_lost``             the client's ack never reaches the server (redelivery after it was handled)
+- ``publish_lost``         a publish (input, log append, command, report) never reaches a stream
+                           leader (as in a leader election): not stored, the client times out
 - ``publish_response_lost`` a publish (input, log append, command, report, KV) is applied by the
                            server but its answer is lost: the client times out and retries
 - ``api_response_lost``    the answer to a JetStream API request is lost (stream/consumer info, gets)
@@ -44,6 +46,7 @@ class Weather:
     delivery_lost: float = 0.0
     delivery_duplicated: float = 0.0
     ack_lost: float = 0.0
+    publish_lost: float = 0.0
     publish_response_lost: float = 0.0
     api_response_lost: float = 0.0
     publish_replayed: float = 0.0
@@ -62,6 +65,7 @@ class Weather:
             delivery_lost=rate(0.1),
             delivery_duplicated=rate(0.1),
             ack_lost=rate(0.1),
+            publish_lost=rate(0.05),
             publish_response_lost=rate(0.08),
             api_response_lost=rate(0.02),
             publish_replayed=rate(0.08),
@@ -216,6 +220,9 @@ class BusProxy:
                     if reply is not None and ".CONSUMER.MSG.NEXT." not in subject:
                         pending[reply] = "api"
                 elif reply is not None and not subject.startswith("_INBOX."):
+                    if self.rng.random() < w.publish_lost:
+                        self._hit("publish_lost")
+                        continue
                     pending[reply] = "publish"
                     if self.rng.random() < w.publish_replayed:
                         delay = self.rng.uniform(*w.replay_after_s)

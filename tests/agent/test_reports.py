@@ -1,0 +1,48 @@
+"""A runtime event happens once: its report survives a bus that loses publishes for longer than
+one publish's retry budget (the agent reaches nats-server through the client-boundary fault proxy)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from urllib.parse import urlparse
+
+import pytest
+from nats.aio.client import Client
+
+from services.agent.config import AgentConfig
+from services.agent.service import Agent
+from services.cli.busfaults import CALM, BusProxy, Weather
+from shared import bus
+from shared.natsserver import NatsServer
+from shared.schema import CommandResult, VMExited
+
+from .conftest import Reports, command, fence, send, sim_driver
+
+
+async def test_an_exit_report_is_retried_until_stored_across_lost_publishes(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig], nats_server: NatsServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    u = urlparse(nats_server.url)
+    proxy = BusProxy("agent", (u.hostname or "127.0.0.1", u.port or 4222))
+    await proxy.start()
+    try:
+        cfg = make_config(nats_url=proxy.url)
+        driver = sim_driver(cfg)
+        f = fence(1)
+        async with Agent(cfg, driver=driver):
+            c = command("create", "x-1", f)
+            await send(nc, c)
+            await reports.wait(lambda i: isinstance(i, CommandResult) and i.command_id == c.id)
+            monkeypatch.setattr(bus.Retry.__init__, "__defaults__", (2, 0.2))  # one publish gives up fast
+            retried = asyncio.Event()  # a second publish of the report: the first one gave up
+            proxy.on_fault = lambda component, kind: retried.set() if proxy.counts["publish_lost"] >= 2 else None
+            proxy.set_weather(1, Weather(publish_lost=1.0))  # no publish is stored
+            driver.crash_vm("x-1", exit_code=7)
+            await asyncio.wait_for(retried.wait(), 30)
+            proxy.set_weather(1, CALM)
+            ex = await reports.wait(lambda i: isinstance(i, VMExited) and i.vm_id == "x-1", timeout=30)
+            assert isinstance(ex, VMExited) and ex.fence == f and ex.exit_code == 7
+    finally:
+        await proxy.stop()
