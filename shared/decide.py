@@ -604,7 +604,8 @@ def _on_exited(run: _Run, e: VMExited) -> None:
     if cur.vm_id != e.vm_id or rec.state != "running":
         return  # an exit while it is being removed/hibernated is expected
     policy = cur.spec.restart_policy
-    if policy == "Always" or (policy == "OnFailure" and (e.exit_code or 0) != 0):
+    failed = e.exit_code != 0  # an unknown exit code (None) counts as a failure, as a signal would
+    if policy == "Always" or (policy == "OnFailure" and failed):
         count = cur.restart_count + 1
         backoff = min(
             run.env.restart_backoff_base_s * (2 ** (count - 1)), run.env.restart_backoff_max_s
@@ -613,10 +614,10 @@ def _on_exited(run: _Run, e: VMExited) -> None:
         _event(run, cur.fence, "BackOff", f"VM exited ({e.exit_code}); restart {count} in {backoff:.0f}s")
         _arm(run, cur.fence, f"restart/{e.vm_id}", backoff)
         return
-    if (e.exit_code or 0) == 0:
+    if not failed:
         run.add(Succeeded(cur.fence))
     else:
-        run.add(Failed(cur.fence, "VMExited", f"exit code {e.exit_code}"))
+        run.add(Failed(cur.fence, "VMExited", f"exit code {'unknown' if e.exit_code is None else e.exit_code}"))
     _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
 
 
@@ -673,8 +674,13 @@ def _skip_foreign(run: _Run, fence: Fence, what: str) -> None:
 
 
 def _on_inventory(run: _Run, i: Inventoried) -> None:
-    if i.vm_id not in run.s.vms:
+    rec = run.s.vms.get(i.vm_id)
+    if rec is None:
         _discover(run, i)
+    elif i.state == "exited" and rec.state == "running" and rec.host == i.host and rec.fence == i.fence:
+        # the exit's own report never arrived (the agent died between the event and the report):
+        # the inventory is the backstop, with the exit code unknown
+        _on_exited(run, VMExited(i.fence, i.host, i.vm_id, None))
 
 
 def _discover(run: _Run, i: Inventoried) -> None:

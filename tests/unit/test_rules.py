@@ -187,6 +187,28 @@ def test_rule7_exit_restarts_with_backoff_and_never_fails_on_policy_never() -> N
     assert of(out, Failed) and [x.command.op for x in of(out, Commanded)] == ["remove"]
 
 
+def test_rule7_an_exit_whose_report_was_lost_is_taken_from_the_inventory() -> None:
+    d = Driver()
+    create = d.run_up("u1")
+    out = d.feed(Inventoried(create.fence, create.host, create.vm_id, "exited", round="h-1"))
+    (restart,) = of(out, Restarting)
+    assert restart.restart_count == 1, "the inventory showing the VM exited restarts it as an exit would"
+    out = d.feed(Inventoried(create.fence, create.host, create.vm_id, "exited", round="h-2"))
+    assert of(out, Restarting) == [], "one exit, one restart, however many rounds show it"
+    # an unknown exit code is a failure: OnFailure restarts it, Never fails the pod
+    on_failure = Driver()
+    c = on_failure.run_up("u1", Spec(restart_policy="OnFailure"))
+    assert of(on_failure.feed(VMExited(c.fence, c.host, c.vm_id, None)), Restarting)
+    never = Driver()
+    c = never.run_up("u1", Spec(restart_policy="Never"))
+    (failed,) = of(never.feed(Inventoried(c.fence, c.host, c.vm_id, "exited")), Failed)
+    assert "unknown" in failed.message
+    # another host's namesake or another fence's report changes nothing
+    other = Driver()
+    c = other.run_up("u1")
+    assert of(other.feed(Inventoried(c.fence, "host-z", c.vm_id, "exited")), Restarting) == []
+
+
 def test_rule7_vm_gone_evicts_with_uid_precondition_or_defers_under_a_delete_claim() -> None:
     d = Driver()
     c = d.run_up("u1")
