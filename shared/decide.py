@@ -674,12 +674,16 @@ def _skip_foreign(run: _Run, fence: Fence, what: str) -> None:
 
 
 def _on_inventory(run: _Run, i: Inventoried) -> None:
+    """Inventories are the backstop for runtime news whose own report never arrived (the agent
+    died between the event and the report): an exit (exit code unknown), a VM the runtime lost."""
     rec = run.s.vms.get(i.vm_id)
+    if i.state == "lost":
+        if rec is not None and rec.host == i.host and rec.fence == i.fence:
+            _on_gone(run, VMGone(i.fence, i.host, i.vm_id))
+        return  # a lost VM is never discovered: there is nothing to adopt or remove
     if rec is None:
         _discover(run, i)
     elif i.state == "exited" and rec.state == "running" and rec.host == i.host and rec.fence == i.fence:
-        # the exit's own report never arrived (the agent died between the event and the report):
-        # the inventory is the backstop, with the exit code unknown
         _on_exited(run, VMExited(i.fence, i.host, i.vm_id, None))
 
 

@@ -108,6 +108,7 @@ class Tombstone:
     vm_id: str
     reason: str
     fence: Fence
+    at: float = 0.0  # wall clock of the burial
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,9 +145,9 @@ class Ledger:
             async for raw in cur:
                 row = _row_from_db(dict(zip(cols, raw, strict=True)))
                 self._vms[row.vm_id] = row
-        async with db.execute("SELECT vm_id, reason, key, uid, epoch FROM removed") as cur:
-            async for vm_id, reason, key, uid, epoch in cur:
-                self._removed[vm_id] = Tombstone(vm_id, reason, Fence(key, uid, epoch))
+        async with db.execute("SELECT vm_id, reason, key, uid, epoch, at FROM removed") as cur:
+            async for vm_id, reason, key, uid, epoch, at in cur:
+                self._removed[vm_id] = Tombstone(vm_id, reason, Fence(key, uid, epoch), at)
         async with db.execute("PRAGMA table_info(key_marks)") as cur:
             columns = [row[1] async for row in cur]
         if "uid" not in columns:  # a ledger from before marks named their incarnation
@@ -215,6 +216,11 @@ class Ledger:
 
     def tombstone(self, vm_id: str) -> Tombstone | None:
         return self._removed.get(vm_id)
+
+    def lost(self, since: float) -> list[Tombstone]:
+        """VMs the runtime lost since ``since`` (wall clock) that no remove has acknowledged."""
+        return sorted((t for t in self._removed.values() if t.reason == "lost" and t.at >= since),
+                      key=lambda t: t.vm_id)
 
     async def result(self, command_id: str) -> CommandResult | None:
         async with self.db.execute("SELECT data FROM results WHERE command_id = ?", (command_id,)) as cur:
@@ -314,7 +320,7 @@ class Ledger:
             self._vms[put.vm_id] = put
         if bury is not None:
             self._vms.pop(result.vm_id, None)
-            self._removed[result.vm_id] = Tombstone(result.vm_id, bury[0], bury[1])
+            self._removed[result.vm_id] = Tombstone(result.vm_id, bury[0], bury[1], now)
 
     async def bury(self, vm_id: str, reason: str, owner: Fence) -> None:
         """Tombstone a vm_id outside a command (the runtime lost it, cleanup on stop)."""
@@ -322,7 +328,7 @@ class Ledger:
         async with self._tx() as db:
             await _bury(db, vm_id, reason, owner, now)
         self._vms.pop(vm_id, None)
-        self._removed[vm_id] = Tombstone(vm_id, reason, owner)
+        self._removed[vm_id] = Tombstone(vm_id, reason, owner, now)
 
     async def reserve(self, kind: str, resource: str, vm_id: str, owner: Fence) -> None:
         """Claim a resource for ``(vm_id, owner)``; idempotent for that owner, else a conflict."""

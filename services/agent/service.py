@@ -75,6 +75,7 @@ NET_TIMEOUT_S = 5.0  # one NATS request (ack, KV put, consumer create)
 DLQ_SOURCE = "agent"
 NAK_DELAY_S = 1.0  # redelivery delay after a result could not be published
 FETCH_ERROR_BACKOFF_S = 1.0
+LOST_REPORTED_S = 600.0  # inventories repeat a VM the runtime lost for this long
 REPORT_RETRY_MAX_S = 5.0  # a runtime event's report is retried at least this often until stored
 LOCK_FILE = "agent.lock"
 CANCEL_ATTEMPTS = 50  # re-cancels of a startup step that swallowed a cancel
@@ -593,6 +594,10 @@ class Agent:
                     continue
             payload = Inventoried(fence=fence, host=host, vm_id=vm_id, state=state, round=round_id)
             await self._report("inventory", fence, payload, f"inv:{round_id}:{vm_id}")
+        # a lost VM's VMGone may never have been stored (the agent died first): rounds repeat it a while
+        for tomb in self.ledger.lost(since=time.time() - LOST_REPORTED_S):
+            payload = Inventoried(fence=tomb.fence, host=host, vm_id=tomb.vm_id, state="lost", round=round_id)
+            await self._report("inventory", tomb.fence, payload, f"inv:{round_id}:{tomb.vm_id}")
         self.metrics.set_vms([r.state for r in self.ledger.vms()])
         log.info("inventory round %s: %d VMs", round_id, len(rows.keys() | listed.keys()),
                  extra={"host": host, "event": "inventory"})

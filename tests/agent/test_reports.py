@@ -15,7 +15,7 @@ from services.agent.service import Agent
 from services.cli.busfaults import CALM, BusProxy, Weather
 from shared import bus
 from shared.natsserver import NatsServer
-from shared.schema import CommandResult, VMExited
+from shared.schema import CommandResult, Inventoried, VMExited, VMGone
 
 from .conftest import Reports, command, fence, send, sim_driver
 
@@ -46,3 +46,25 @@ async def test_an_exit_report_is_retried_until_stored_across_lost_publishes(
             assert isinstance(ex, VMExited) and ex.fence == f and ex.exit_code == 7
     finally:
         await proxy.stop()
+
+
+async def test_inventories_repeat_a_vm_the_runtime_lost(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig]
+) -> None:
+    """The VMGone may never have been stored (the agent died right after burying the VM): every
+    inventory round says the VM is lost, so the reconciler learns it from the next round."""
+    cfg = make_config()
+    driver = sim_driver(cfg)
+    f = fence(1)
+    async with Agent(cfg, driver=driver) as agent:
+        c = command("create", "y-1", f)
+        await send(nc, c)
+        await reports.wait(lambda i: isinstance(i, CommandResult) and i.command_id == c.id)
+        driver.lose_vm("y-1")
+        await driver.reconcile()  # the runtime notices: VMGone
+        await reports.wait(lambda i: isinstance(i, VMGone) and i.vm_id == "y-1")
+        round_1 = await agent.inventory()
+        round_2 = await agent.inventory()
+        for r in (round_1, round_2):
+            lost = await reports.wait(lambda i, r=r: isinstance(i, Inventoried) and i.round == r and i.vm_id == "y-1")
+            assert isinstance(lost, Inventoried) and lost.state == "lost" and lost.fence == f

@@ -17,6 +17,7 @@ from shared.schema import (
     ConfirmedRead,
     ConfirmRequested,
     DeleteClaimed,
+    Discovered,
     Done,
     EvictionDeferred,
     EvictionRequested,
@@ -207,6 +208,19 @@ def test_rule7_an_exit_whose_report_was_lost_is_taken_from_the_inventory() -> No
     other = Driver()
     c = other.run_up("u1")
     assert of(other.feed(Inventoried(c.fence, "host-z", c.vm_id, "exited")), Restarting) == []
+
+
+def test_rule7_a_vm_lost_whose_report_was_lost_is_taken_from_the_inventory() -> None:
+    d = Driver()
+    c = d.run_up("u1")
+    out = d.feed(Inventoried(c.fence, c.host, c.vm_id, "lost", round="h-1"))
+    assert of(out, EvictionRequested), "a lost VM shown by an inventory is handled as VMGone"
+    out = d.feed(Inventoried(c.fence, c.host, c.vm_id, "lost", round="h-2"))
+    assert of(out, Discovered) == [] and of(out, Commanded) == [], "later rounds neither discover nor act"
+    fresh = Driver()
+    c = fresh.run_up("u1")
+    out = fresh.feed(Inventoried(c.fence, c.host, "someone-else-1", "lost"))
+    assert of(out, Discovered) == [] and of(out, Commanded) == [], "an unknown lost VM is nobody's business"
 
 
 def test_rule7_vm_gone_evicts_with_uid_precondition_or_defers_under_a_delete_claim() -> None:
