@@ -67,6 +67,7 @@ class Agent:
     results: dict[str, CommandResult] = field(default_factory=dict)
     snapshots: dict[str, str] = field(default_factory=dict)
     removed: set[str] = field(default_factory=set)  # a removed VM id never comes back
+    lost: dict[str, AgentVM] = field(default_factory=dict)  # VMs the runtime lost: inventories repeat them
     marks: dict[str, int] = field(default_factory=dict)  # per key: the newest epoch commanded
     mark_uids: dict[str, str] = field(default_factory=dict)  # per key: the uid of that epoch ("": any)
 
@@ -235,6 +236,7 @@ class World:
                 if vm.key == key:
                     del agent.vms[vm.vm_id]
                     agent.removed.add(vm.vm_id)
+                    agent.lost[vm.vm_id] = vm
                     self.bag.append(Msg("input", key, VMGone(vm.owner, agent.host, vm.vm_id)))
                     return
 
@@ -247,7 +249,10 @@ class World:
     def inventory(self) -> None:
         for agent in self.agents.values():
             for vm in agent.vms.values():
-                self.bag.append(Msg("input", vm.key, Inventoried(vm.owner, agent.host, vm.vm_id, "running")))
+                state = "running" if vm.running else "exited"
+                self.bag.append(Msg("input", vm.key, Inventoried(vm.owner, agent.host, vm.vm_id, state)))
+            for vm in agent.lost.values():
+                self.bag.append(Msg("input", vm.key, Inventoried(vm.owner, agent.host, vm.vm_id, "lost")))
 
     # ------------------------------------------------------------------------ delivery
     def deliver(self, index: int, *, duplicate: bool = False, drop_report: bool = False) -> None:
