@@ -311,6 +311,8 @@ async def run_stack_campaign(
                                          (p.metadata.annotations or {}).get("vmfence.io/hibernate") == "true")
             for p in (await core.list_namespaced_pod(NS)).items
         }
+        vms = await client.CustomObjectsApi(stack.api).list_namespaced_custom_object(GROUP, VERSION, NS, VMS)
+        live |= {f"vm:{NS}/{v['metadata']['name']}": (v["metadata"]["uid"], False) for v in vms["items"]}
         lost = lost_inputs(records, live)
     finally:
         watch.cancel()
