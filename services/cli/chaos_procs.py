@@ -55,6 +55,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                    help="with --seeds/--seed: seeded workload and faults against the real in-process stack")
     mode.add_argument("--seeds", type=int, metavar="N", help="deterministic campaign over N seeds (chaos_sim)")
     mode.add_argument("--seed", type=int, metavar="S", help="deterministic campaign, one seed (chaos_sim)")
+    p.add_argument("--first", type=int, default=0, help="(--stack --seeds N) the first of the N seeds")
     p.add_argument("--steps", type=int, default=None, help="(--seeds/--seed) steps per seed")
     p.add_argument("--keys", type=int, default=None, help="(--seeds/--seed) pod keys per seed")
     p.add_argument("--minutes", type=float, default=2.0, help="(--processes) how long faults and churn run")
@@ -99,7 +100,7 @@ def _run_stack_campaign(args: argparse.Namespace) -> int:
     from services.cli.main import _run_async
 
     seeds = 1 if args.seed is not None else int(args.seeds or 0)
-    first = args.seed if args.seed is not None else 0
+    first = args.seed if args.seed is not None else args.first
     steps = int(getattr(args, "steps", None) or 25)
     def progress(line: str) -> None:
         if not args.quiet:
