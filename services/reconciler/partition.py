@@ -212,8 +212,10 @@ class Partition:
     async def run(self) -> None:
         """Consume until the lease is gone; bus trouble (leader elections, reconnects) restarts
         the consumer after a pause instead of ending the partition."""
-        for slot in self.keys.values():
+        for i, slot in enumerate(list(self.keys.values())):
             slot.release_idle()  # keys loaded with nothing in flight are held packed
+            if i % 1000 == 999:
+                await asyncio.sleep(0)  # ~8 ms of packing at a time
         while self.held:
             try:
                 await self._consume()
