@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -38,7 +39,8 @@ from services.cli.chaos_oracles import lost_inputs
 from services.cli.logcmds import audit_records
 from services.cli.stack import LocalStack
 from shared.bus import StreamsConfig
-from shared.decisions import read_log
+from shared.decisions import Filter, read_log
+from shared.logs import JsonFormatter
 
 NS = "default"
 GROUP, VERSION, VMS = "vmfence.io", "v1alpha1", "virtualmachines"
@@ -234,7 +236,12 @@ async def _check_vm(stack: LocalStack, custom: client.CustomObjectsApi, name: st
     have = [v for a in list(stack.agents.values()) for v in await a.driver.list()
             if v.labels.get("vmfence.io/key") == key and v.state in ("running", "paused", "creating")]
     if deleted:
-        return f"{key}: {len(have)} VM(s) for a deleted VirtualMachine" if have else None
+        if have:
+            return f"{key}: {len(have)} VM(s) for a deleted VirtualMachine"
+        assert stack.bus is not None
+        records = [r async for r in read_log(stack.bus.js, stack.bus.subjects, Filter(key=key))]
+        unsettled = lost_inputs(records, {})
+        return f"{key}: the deletion is not decided yet ({unsettled[0]})" if unsettled else None
     obj = await custom.get_namespaced_custom_object(GROUP, VERSION, NS, VMS, name)
     st = obj.get("status") or {}
     ready = {c["type"]: c["status"] for c in st.get("conditions", [])}.get("Ready")
@@ -288,6 +295,14 @@ async def run_stack_campaign(
     except BaseException:
         await _stop_proxies(proxies)
         raise
+    # the in-process components (agents, watcher) log to a file a failure can be read from
+    handler = logging.FileHandler(stack.root / "logs" / "in-process.log")
+    handler.setFormatter(JsonFormatter())
+    handler.setLevel(logging.INFO)
+    loggers = [logging.getLogger(name) for name in ("services", "vmfence")]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
     oracle = _Oracle(stack)
     watch = asyncio.create_task(oracle.run())
     faults: dict[str, int] = {}
@@ -320,6 +335,9 @@ async def run_stack_campaign(
             await watch
         await stack.stop()
         await _stop_proxies(proxies)
+        for lg in loggers:
+            lg.removeHandler(handler)
+        handler.close()
     for proxy in proxies.values():
         for kind, n in proxy.counts.items():
             faults[kind] = faults.get(kind, 0) + n
