@@ -675,7 +675,8 @@ def _skip_foreign(run: _Run, fence: Fence, what: str) -> None:
 
 def _on_inventory(run: _Run, i: Inventoried) -> None:
     """Inventories are the backstop for runtime news whose own report never arrived (the agent
-    died between the event and the report): an exit (exit code unknown), a VM the runtime lost."""
+    died between the event and the report): an exit (exit code unknown), a VM the runtime lost,
+    readiness."""
     rec = run.s.vms.get(i.vm_id)
     if i.state == "lost":
         if rec is not None and rec.host == i.host and rec.fence == i.fence:
@@ -685,6 +686,11 @@ def _on_inventory(run: _Run, i: Inventoried) -> None:
         _discover(run, i)
     elif i.state == "exited" and rec.state == "running" and rec.host == i.host and rec.fence == i.fence:
         _on_exited(run, VMExited(i.fence, i.host, i.vm_id, None))
+    elif i.ready is not None and (cur := run.s.cur) is not None and cur.bound and cur.fence == i.fence \
+            and cur.vm_id == i.vm_id and cur.host == i.host and cur.ready != i.ready:
+        # the probe's own report was decided before the binding (a redelivery reordered them) and
+        # dropped, or never stored: the readiness the host last reported wins
+        _on_probe(run, ProbeChanged(i.fence, i.host, i.vm_id, i.ready))
 
 
 def _discover(run: _Run, i: Inventoried) -> None:

@@ -83,6 +83,7 @@ class Inventoried(msgspec.Struct, tag="inventory", frozen=True, omit_defaults=Tr
     vm_id: str
     state: str
     round: str = ""
+    ready: bool | None = None  # the host's last probe of it under ``fence`` (None: not probed)
     v: int = SCHEMA_VERSION
 
 

@@ -38,6 +38,13 @@ class Prober:
         self._kick = asyncio.Event()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._touched: set[str] = set()
+        self._published: dict[str, tuple[Fence, bool]] = {}  # vm_id -> last readiness stored, and its fence
+
+    def readiness(self, vm_id: str, fence: Fence) -> bool | None:
+        """The last readiness published for ``vm_id`` under ``fence`` (inventories repeat it: a
+        ProbeChanged may have been decided before the VM's binding, reordered by a redelivery)."""
+        got = self._published.get(vm_id)
+        return got[1] if got is not None and got[0] == fence else None
 
     def kick(self, vm_id: str | None = None) -> None:
         """The ledger changed for ``vm_id`` (a command finished): start/stop its loop now, not at
@@ -101,6 +108,8 @@ class Prober:
         while True:
             row = self.ledger.vm(vm_id)
             if row is None or row.state not in PROBED_STATES:
+                if row is None:
+                    self._published.pop(vm_id, None)
                 return
             fence = row.fence  # the fence this probe runs under
             try:
@@ -116,6 +125,7 @@ class Prober:
                 try:
                     await self.publish(ProbeChanged(fence=fence, host=self.host, vm_id=vm_id, ready=ready))
                     last[fence] = ready
+                    self._published[vm_id] = (fence, ready)
                 except Exception as e:  # the next round retries
                     log.warning("probe change not published: %r", e, extra=fence_fields(fence, vm_id))
             await asyncio.sleep(self.interval)

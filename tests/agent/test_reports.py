@@ -15,7 +15,7 @@ from services.agent.service import Agent
 from services.cli.busfaults import CALM, BusProxy, Weather
 from shared import bus
 from shared.natsserver import NatsServer
-from shared.schema import CommandResult, Inventoried, VMExited, VMGone
+from shared.schema import CommandResult, Inventoried, ProbeChanged, VMExited, VMGone
 
 from .conftest import Reports, command, fence, send, sim_driver
 
@@ -68,3 +68,20 @@ async def test_inventories_repeat_a_vm_the_runtime_lost(
         for r in (round_1, round_2):
             lost = await reports.wait(lambda i, r=r: isinstance(i, Inventoried) and i.round == r and i.vm_id == "y-1")
             assert isinstance(lost, Inventoried) and lost.state == "lost" and lost.fence == f
+
+
+async def test_inventories_repeat_the_last_readiness_published(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig]
+) -> None:
+    """A ProbeChanged decided before its VM's binding (a redelivery reordered them) is dropped, and
+    the prober publishes only changes: inventories carry the readiness last stored for the fence."""
+    cfg = make_config()
+    driver = sim_driver(cfg)
+    f = fence(1)
+    async with Agent(cfg, driver=driver) as agent:
+        c = command("create", "z-1", f)
+        await send(nc, c)
+        await reports.wait(lambda i: isinstance(i, ProbeChanged) and i.vm_id == "z-1" and i.ready)
+        r = await agent.inventory()
+        inv = await reports.wait(lambda i: isinstance(i, Inventoried) and i.round == r and i.vm_id == "z-1")
+        assert isinstance(inv, Inventoried) and inv.ready is True and inv.fence == f

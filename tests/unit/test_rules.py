@@ -27,6 +27,7 @@ from shared.schema import (
     Inventoried,
     Observed,
     ProbeChanged,
+    ReadyChanged,
     Rebuilt,
     Released,
     Restarting,
@@ -221,6 +222,24 @@ def test_rule7_a_vm_lost_whose_report_was_lost_is_taken_from_the_inventory() -> 
     c = fresh.run_up("u1")
     out = fresh.feed(Inventoried(c.fence, c.host, "someone-else-1", "lost"))
     assert of(out, Discovered) == [] and of(out, Commanded) == [], "an unknown lost VM is nobody's business"
+
+
+def test_readiness_whose_probe_was_decided_before_the_binding_is_taken_from_the_inventory() -> None:
+    d = Driver()
+    d.admit("u1")
+    (create,) = d.commands("create")
+    early = d.feed(ProbeChanged(create.fence, create.host, create.vm_id, True))  # redelivery reordered it
+    assert of(early, ReadyChanged) == []
+    d.answer(create)
+    assert d.state.cur is not None and d.state.cur.bound and not d.state.cur.ready
+    out = d.feed(Inventoried(create.fence, create.host, create.vm_id, "running", round="h-1", ready=True))
+    assert [r.ready for r in of(out, ReadyChanged)] == [True]
+    again = d.feed(Inventoried(create.fence, create.host, create.vm_id, "running", round="h-2", ready=True))
+    assert of(again, ReadyChanged) == [], "a readiness already known is not decided again"
+    stale = Driver()
+    c = stale.run_up("u1")
+    old = Fence(c.fence.key, "u0", 0)
+    assert of(stale.feed(Inventoried(old, c.host, c.vm_id, "running", ready=False)), ReadyChanged) == []
 
 
 def test_rule7_vm_gone_evicts_with_uid_precondition_or_defers_under_a_delete_claim() -> None:
