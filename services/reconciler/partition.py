@@ -24,7 +24,7 @@ from services.reconciler.effects import EffectRunner
 from services.reconciler.keytable import KeySlot
 from services.reconciler.snapshot import SnapshotStore
 from shared import metrics
-from shared.bus import LostRace, dead_letter, fenced_append, read_stream, read_subject
+from shared.bus import LostRace, dead_letter, fenced_append, last_on_subject, read_stream, read_subject
 from shared.decide import DecideEnv, decide, rebuild
 from shared.schema import (
     Commanded,
@@ -33,6 +33,7 @@ from shared.schema import (
     Decision,
     Done,
     Input,
+    Inventoried,
     LogEntry,
     Placed,
     Rebuilt,
@@ -159,6 +160,21 @@ class Partition:
         if slot is None:
             slot = self.keys[key] = KeySlot(KeyState(key=key, unverified=self._loaded))
         return slot
+
+    async def _behind(self, slot: KeySlot) -> bool:
+        """An input that decides nothing is acked without an append, so no fence checks it: a
+        writer whose copy of the key is stale (it held the lease and lost it while cut off) would
+        consume, say, the answer to a command the new owner sent, and nobody would decide it. Before
+        such an ack the key's log end is compared with ours (one direct get); True if it was ahead
+        and has been re-read. Inventories are exempt: every round repeats them."""
+        last = await last_on_subject(self.js, self.subjects.stream_log, self.subjects.log(_key(slot.state.key)))
+        if last is None or last.seq <= slot.last_seq:
+            return False
+        metrics.LOST_RACES.inc()
+        log.info("a no-op input found the key's log ahead of ours; re-reading it",
+                 extra={"key": slot.state.key, "partition": self.p})
+        await self._reload(slot)
+        return True
 
     async def _reload(self, slot: KeySlot, *, full: bool = False) -> int | None:
         """Re-read one key's log (after a lost race, or from scratch if ours is not a prefix).
@@ -319,6 +335,8 @@ class Partition:
             if self.confirm is not None and len(decisions) == 1 and isinstance(decisions[0], ConfirmRequested):
                 decisions = await self._confirm_inline(slot.state, decisions)
             if not decisions:
+                if msg is not None and not isinstance(inp, Inventoried) and await self._behind(slot):
+                    continue  # another writer moved the key on: decide again on what it wrote
                 metrics.INPUTS.labels(kind, "dropped").inc()
                 self.stats["dropped"] += 1
                 return True

@@ -17,7 +17,7 @@ from shared.audit import audit
 from shared.bus import Bus, StreamsConfig, provision, read_stream
 from shared.decide import DecideEnv, HostView
 from shared.natsserver import NatsServer
-from shared.schema import Observed, Spec
+from shared.schema import Observed, Spec, encode
 from shared.subjects import Key, Subjects
 from tests.reconciler.helpers import log_entries, observe, per_key, wait_until
 
@@ -194,3 +194,32 @@ async def test_a_snapshot_row_whose_positions_the_log_refilled_is_reread_not_tru
     assert w2.keys[str(key)].state == w1.keys[str(key)].state, "w2 trusted its diverged row"
     await one.close()
     await two.close()
+
+
+async def test_a_no_op_input_on_a_stale_copy_is_decided_on_the_log_not_dropped(bus: Bus) -> None:
+    """Rule 1 for inputs that decide nothing: they are acked without an append, so no fence checks
+    them. A writer whose copy is stale (it lost its lease while cut off, then fetched again) must
+    not consume the answer to a command the new owner sent: it re-reads the key and decides it."""
+    from shared.schema import Commanded, CommandResult, Hibernated
+
+    gateway = NullGateway()
+    key = Key("pod", "default", "stale.copy")
+    gateway.objects[str(key)] = ("uid-1", 1, Spec())
+    old, new = _partition(bus, "old-owner", gateway), _partition(bus, "new-owner", gateway)
+    assert await new.feed(str(key), Observed(str(key), "uid-1", 1))  # admitted, a create sent
+    await old._reload(old._slot(str(key)))  # the old owner's copy stops here (then it is cut off)
+    (create,) = [e.command for e in new.keys[str(key)].state.outbox.values() if isinstance(e, Commanded)]
+    assert await new.feed(str(key), CommandResult(create.fence, create.id, "create", create.host, create.vm_id, "ok"))
+    assert await new.feed(str(key), Observed(str(key), "uid-1", 2, spec=Spec(hibernate=True)))
+    (hibernate,) = [e.command for e in new.keys[str(key)].state.outbox.values()
+                    if isinstance(e, Commanded) and e.command.op == "hibernate"]
+    answer = CommandResult(hibernate.fence, hibernate.id, "hibernate", hibernate.host, hibernate.vm_id, "ok",
+                           snapshot="snap-1")
+    await bus.js.publish(bus.subjects.report(key), encode(answer), headers={"Nats-Msg-Id": "answer-1"})
+    psub = await bus.js.pull_subscribe(bus.subjects.report(key), durable="stale-copy-test",
+                                       stream=bus.subjects.stream_in)
+    (msg,) = await psub.fetch(1, timeout=5)
+    await old.handle(msg)  # the stale owner fetched it (same epoch: nothing in it shows the copy is old)
+    hibernated = [d for _, e in await log_entries(bus) for d in e.decisions if isinstance(d, Hibernated)]
+    assert [h.vm_id for h in hibernated] == [create.vm_id], "the answer was dropped on a stale copy"
+    assert old.stats["dropped"] == 0
