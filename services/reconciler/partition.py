@@ -227,19 +227,65 @@ class Partition:
     # ------------------------------------------------------------------------ consuming
     async def run(self) -> None:
         """Consume until the lease is gone; bus trouble (leader elections, reconnects) restarts
-        the consumer after a pause instead of ending the partition."""
+        the consumer after a pause instead of ending the partition. Beside it, the partition's own
+        log is tailed for entries another writer appended after the load."""
         for i, slot in enumerate(list(self.keys.values())):
             slot.release_idle()  # keys loaded with nothing in flight are held packed
             if i % 1000 == 999:
                 await asyncio.sleep(0)  # ~8 ms of packing at a time
+        async with asyncio.TaskGroup() as tg:
+            tail = tg.create_task(self._keep(self._tail_foreign, "log tail"))
+            await self._keep(self._consume, "consumer")
+            tail.cancel()
+
+    async def _keep(self, loop: Callable[[], Awaitable[None]], what: str) -> None:
         while self.held:
             try:
-                await self._consume()
+                await loop()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("consumer restarting after %r", exc, extra={"partition": self.p})
+                log.warning("%s restarting after %r", what, exc, extra={"partition": self.p})
                 await asyncio.sleep(CONSUMER_RESTART_S)
+
+    async def _tail_foreign(self) -> None:
+        """A previous owner that has not noticed yet that its lease is gone can still append (each
+        append is fenced per key, so the log never forks, but the entry lands after our load): our
+        copy of that key is then stale, and effects it decided — a timer, a write — die with that
+        owner's effect runner, and nothing would bring the key up again until its next input. Each
+        such foreign entry makes us re-read the key and carry out its outbox."""
+        start = self._max_seen + 1
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def on_msg(msg: Msg) -> None:
+            queue.put_nowait(msg)
+
+        cfg = api.ConsumerConfig(
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start,
+            ack_policy=api.AckPolicy.NONE, mem_storage=True, inactive_threshold=30.0,
+        )
+        sub = await self.js.subscribe(self.subjects.log_partition(self.p), stream=self.subjects.stream_log,
+                                      cb=on_msg, ordered_consumer=True, config=cfg)
+        try:
+            while self.held:
+                msg = await queue.get()
+                entry = decode_entry(msg.data)
+                if entry.writer == self.writer:
+                    continue
+                slot = self._slot(entry.key)
+                async with slot.lock:
+                    if not self.held or msg.metadata.sequence.stream <= slot.last_seq:
+                        continue
+                    log.info("another writer appended to a key of ours; re-reading it",
+                             extra={"key": entry.key, "partition": self.p, "writer": entry.writer})
+                    metrics.LOST_RACES.inc()
+                    await self._reload(slot)
+                    if slot.state.outbox:
+                        self.effects.submit_all(entry.key, list(slot.state.outbox.values()))
+                slot.release_idle()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def _consume(self) -> None:
         cfg = api.ConsumerConfig(

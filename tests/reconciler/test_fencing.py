@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from nats.aio.msg import Msg
 
 from services.reconciler.effects import EffectRunner
 from services.reconciler.kube import NullGateway
@@ -223,3 +224,35 @@ async def test_a_no_op_input_on_a_stale_copy_is_decided_on_the_log_not_dropped(b
     hibernated = [d for _, e in await log_entries(bus) for d in e.decisions if isinstance(d, Hibernated)]
     assert [h.vm_id for h in hibernated] == [create.vm_id], "the answer was dropped on a stale copy"
     assert old.stats["dropped"] == 0
+
+
+async def test_an_entry_a_previous_owner_appends_after_the_load_is_taken_over_with_its_effects(bus: Bus) -> None:
+    """Rule 1's other half: a previous owner that has not noticed its lease is gone can still append
+    (fenced per key, so no fork), after the new owner loaded. The new owner tails its partition's
+    log, re-reads that key and carries out its outbox — else a timer or command decided by the old
+    owner dies with it and the key waits for an input that may never come."""
+    from shared.schema import decode_command
+
+    gateway = NullGateway()
+    key = Key("pod", "default", "late.append")
+    gateway.objects[str(key)] = ("uid-1", 1, Spec())
+    sent: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def on_command(msg: Msg) -> None:
+        sent.put_nowait(msg.data)
+
+    sub = await bus.nc.subscribe(bus.subjects.command("host-a"), cb=on_command)
+    new = _partition(bus, "new-owner", gateway)
+    effects, run = asyncio.create_task(new.effects.run()), asyncio.create_task(new.run())
+    try:
+        old = _partition(bus, "old-owner", gateway)  # its effect runner never runs: it is cut off
+        assert await old.feed(str(key), Observed(str(key), "uid-1", 1))  # admitted, a create decided
+        await wait_until(lambda: str(key) in new.keys and new.keys[str(key)].state.n == 1, "new owner re-read the key")
+        command = decode_command(await asyncio.wait_for(sent.get(), 10))  # sent by the new owner
+        assert command.op == "create" and command.fence.uid == "uid-1"
+    finally:
+        await sub.unsubscribe()
+        new.held = False
+        for t in (run, effects):
+            t.cancel()
+        await asyncio.gather(run, effects, return_exceptions=True)
