@@ -678,16 +678,20 @@ def _on_inventory(run: _Run, i: Inventoried) -> None:
     died between the event and the report): an exit (exit code unknown), a VM the runtime lost,
     readiness."""
     rec = run.s.vms.get(i.vm_id)
+    ours = rec is not None and rec.host == i.host and rec.fence == i.fence  # our record of that VM
     if i.state == "lost":
-        if rec is not None and rec.host == i.host and rec.fence == i.fence:
+        if ours:
             _on_gone(run, VMGone(i.fence, i.host, i.vm_id))
         return  # a lost VM is never discovered: there is nothing to adopt or remove
     if rec is None:
         _discover(run, i)
-    elif i.state == "exited" and rec.state == "running" and rec.host == i.host and rec.fence == i.fence:
-        _on_exited(run, VMExited(i.fence, i.host, i.vm_id, None))
-    elif i.ready is not None and (cur := run.s.cur) is not None and cur.bound and cur.fence == i.fence \
-            and cur.vm_id == i.vm_id and cur.host == i.host and cur.ready != i.ready:
+    elif not ours:
+        return
+    elif i.state == "exited":
+        if rec.state == "running":
+            _on_exited(run, VMExited(i.fence, i.host, i.vm_id, None))
+    elif i.state == "running" and i.ready is not None and (cur := run.s.cur) is not None \
+            and cur.bound and cur.fence == i.fence and cur.vm_id == i.vm_id:
         # the probe's own report was decided before the binding (a redelivery reordered them) and
         # dropped, or never stored: the readiness the host last reported wins
         _on_probe(run, ProbeChanged(i.fence, i.host, i.vm_id, i.ready))

@@ -38,12 +38,12 @@ class Prober:
         self._kick = asyncio.Event()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._touched: set[str] = set()
-        self._published: dict[str, tuple[Fence, bool]] = {}  # vm_id -> last readiness stored, and its fence
+        self._probed: dict[str, tuple[Fence, bool]] = {}  # vm_id -> its last readiness, and the fence
 
     def readiness(self, vm_id: str, fence: Fence) -> bool | None:
-        """The last readiness published for ``vm_id`` under ``fence`` (inventories repeat it: a
-        ProbeChanged may have been decided before the VM's binding, reordered by a redelivery)."""
-        got = self._published.get(vm_id)
+        """The readiness last probed for ``vm_id`` under ``fence`` while it runs (inventories repeat
+        it: a ProbeChanged may have been decided before the VM's binding, reordered by a redelivery)."""
+        got = self._probed.get(vm_id)
         return got[1] if got is not None and got[0] == fence else None
 
     def kick(self, vm_id: str | None = None) -> None:
@@ -108,8 +108,7 @@ class Prober:
         while True:
             row = self.ledger.vm(vm_id)
             if row is None or row.state not in PROBED_STATES:
-                if row is None:
-                    self._published.pop(vm_id, None)
+                self._probed.pop(vm_id, None)  # a VM not probed has no readiness to repeat
                 return
             fence = row.fence  # the fence this probe runs under
             try:
@@ -122,10 +121,10 @@ class Prober:
                 log.info("probe result dropped: its fence was superseded",
                          extra=fence_fields(fence, vm_id, event="probe_superseded"))
             elif last.get(fence) != ready:
+                self._probed[vm_id] = (fence, ready)
                 try:
                     await self.publish(ProbeChanged(fence=fence, host=self.host, vm_id=vm_id, ready=ready))
                     last[fence] = ready
-                    self._published[vm_id] = (fence, ready)
                 except Exception as e:  # the next round retries
                     log.warning("probe change not published: %r", e, extra=fence_fields(fence, vm_id))
             await asyncio.sleep(self.interval)

@@ -592,7 +592,7 @@ class Agent:
                 if fence is None:
                     log.warning("inventory: VM without vmfence labels, not reported", extra={"vm_id": vm_id})
                     continue
-            ready = self.prober.readiness(vm_id, fence) if self.prober is not None else None
+            ready = self.prober.readiness(vm_id, fence) if self.prober is not None and state == "running" else None
             payload = Inventoried(fence=fence, host=host, vm_id=vm_id, state=state, round=round_id, ready=ready)
             await self._report("inventory", fence, payload, f"inv:{round_id}:{vm_id}")
         # a lost VM's VMGone may never have been stored (the agent died first): rounds repeat it a while

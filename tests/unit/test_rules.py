@@ -240,6 +240,12 @@ def test_readiness_whose_probe_was_decided_before_the_binding_is_taken_from_the_
     c = stale.run_up("u1")
     old = Fence(c.fence.key, "u0", 0)
     assert of(stale.feed(Inventoried(old, c.host, c.vm_id, "running", ready=False)), ReadyChanged) == []
+    down = Driver()
+    c = down.run_up("u1")
+    down.feed(ProbeChanged(c.fence, c.host, c.vm_id, True))
+    down.feed(VMExited(c.fence, c.host, c.vm_id, 1))  # restarting: not ready
+    out = down.feed(Inventoried(c.fence, c.host, c.vm_id, "exited", ready=True))
+    assert of(out, ReadyChanged) == [], "readiness a host probed before the VM went down is not taken"
 
 
 def test_rule7_vm_gone_evicts_with_uid_precondition_or_defers_under_a_delete_claim() -> None:
