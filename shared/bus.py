@@ -412,9 +412,9 @@ async def _last_matching_seq(js: JetStreamContext, stream: str, filter_subject: 
 class _DeliveryGap(Exception):
     """A read consumer's delivery went missing (a client-side slow-consumer drop, a reconnect)."""
 
-    def __init__(self, position: int, target: int) -> None:
-        super().__init__(position, target)
-        self.position, self.target = position, target
+    def __init__(self, target: int) -> None:
+        super().__init__(target)
+        self.target = target  # where the read that met the gap would have ended
 
 
 async def read_stream(
@@ -437,7 +437,7 @@ async def read_stream(
     deleted at once (it would otherwise expire after READ_CONSUMER_IDLE_S).
     """
     position = max(start_seq, 1) - 1
-    restarts = Retry()
+    restarts, restarted_at = Retry(), position
     while True:
         try:
             once = _read_stream_once(js, stream, filter_subject, position + 1, until_seq, batch)
@@ -447,8 +447,10 @@ async def read_stream(
                     yield m
             return
         except _DeliveryGap as gap:
-            position, until_seq = gap.position, gap.target  # the same end as the first read's
+            until_seq = gap.target  # the same end as the first read's
             log.info("read_stream %s: a delivery went missing after seq %d; reading on from there", stream, position)
+            if position > restarted_at:  # progress since the last gap: a fresh budget
+                restarts, restarted_at = Retry(), position
             if not await restarts.backoff():
                 raise TimeoutError(f"read_stream {stream}: deliveries keep going missing") from None
 
@@ -555,7 +557,7 @@ async def _read_stream_once(
                 outstanding += batch
             seq, cseq = _reply_seqs(msg.reply)
             if cseq != delivered + 1:
-                raise _DeliveryGap(position, target)
+                raise _DeliveryGap(target)
             delivered = cseq
             if seq > target:
                 return

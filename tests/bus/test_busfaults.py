@@ -13,6 +13,7 @@ import pytest
 from nats.js import JetStreamContext
 
 from services.cli.busfaults import BusProxy, Weather
+from shared import bus
 from shared.bus import Bus, StreamsConfig, provision, publish_input, read_stream
 from shared.natsserver import NatsServer
 from shared.subjects import Key, Subjects
@@ -53,6 +54,22 @@ async def test_a_read_that_loses_deliveries_still_yields_every_message_once_in_o
     got = [m.seq async for m in read_stream(through.js, IN, batch=32)]
     assert proxy.counts["delivery_lost"] > 0, "nothing was dropped; the test proves nothing"
     assert got == list(range(1, 301))
+
+
+async def test_a_long_read_that_loses_deliveries_late_still_yields_every_message(
+    proxy: BusProxy, through: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gap-restart budget is per stretch without progress, not per read: a replay that runs
+    longer than one budget and then meets a gap reads on."""
+    await _fill(through.js, through.subjects, 200)
+    monkeypatch.setattr(bus.Retry.__init__, "__defaults__", (60, 0.2))
+    proxy.set_weather(4, Weather(delivery_lost=0.03))
+    got = []
+    async for m in read_stream(through.js, IN, batch=16):
+        got.append(m.seq)
+        await asyncio.sleep(0.003)  # a slow reader: the read outlasts the budget
+    assert proxy.counts["delivery_lost"] > 0, "nothing was dropped; the test proves nothing"
+    assert got == list(range(1, 201))
 
 
 async def test_a_publish_whose_answer_is_lost_is_retried_and_stored_once(proxy: BusProxy, through: Bus) -> None:
