@@ -34,8 +34,10 @@ from typing import Any
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from services.agent.runtime.base import VMInfo
 from services.cli.busfaults import CALM, BusProxy, Weather
 from services.cli.chaos_oracles import lost_inputs
+from services.cli.chaos_procs import LIVE_STATES
 from services.cli.logcmds import audit_records
 from services.cli.stack import LocalStack
 from shared.bus import StreamsConfig
@@ -58,18 +60,11 @@ class _Oracle:
         self.max_per_key = 0
         self.worst: tuple[str, list[str]] | None = None
 
-    async def vms(self) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for agent in list(self.stack.agents.values()):
-            for info in await agent.driver.list():
-                if info.state in ("running", "paused", "creating"):
-                    out.setdefault(info.labels.get("vmfence.io/key", "?"), []).append(info.vm_id)
-        return out
-
     async def run(self) -> None:
         while True:
             with contextlib.suppress(Exception):
-                for key, ids in (await self.vms()).items():
+                for key, vms in (await _live_vms(self.stack)).items():
+                    ids = [v.vm_id for v in vms]
                     if len(ids) > self.max_per_key:
                         self.max_per_key, self.worst = len(ids), (key, ids)
             await asyncio.sleep(0.02)
@@ -195,12 +190,18 @@ async def _seed(
         await asyncio.sleep(0.2)
 
 
-async def _check(stack: LocalStack, core: client.CoreV1Api, names: list[str]) -> str | None:
-    vms: dict[str, list[Any]] = {}
-    for agent in stack.agents.values():
+async def _live_vms(stack: LocalStack) -> dict[str, list[VMInfo]]:
+    """The agents' runtime records of VMs that count as a VM (running, paused, creating), by key."""
+    out: dict[str, list[VMInfo]] = {}
+    for agent in list(stack.agents.values()):
         for info in await agent.driver.list():
-            if info.state in ("running", "paused", "creating"):
-                vms.setdefault(info.labels.get("vmfence.io/key", "?"), []).append(info)
+            if info.state in LIVE_STATES:
+                out.setdefault(info.labels.get("vmfence.io/key", "?"), []).append(info)
+    return out
+
+
+async def _check(stack: LocalStack, core: client.CoreV1Api, names: list[str]) -> str | None:
+    vms = await _live_vms(stack)
     for name in names:
         key = f"{NS}/{name}"
         try:
@@ -233,8 +234,7 @@ async def _check(stack: LocalStack, core: client.CoreV1Api, names: list[str]) ->
 
 async def _check_vm(stack: LocalStack, custom: client.CustomObjectsApi, name: str, deleted: bool) -> str | None:
     key = f"vm:{NS}/{name}"
-    have = [v for a in list(stack.agents.values()) for v in await a.driver.list()
-            if v.labels.get("vmfence.io/key") == key and v.state in ("running", "paused", "creating")]
+    have = (await _live_vms(stack)).get(key, [])
     if deleted:
         if have:
             return f"{key}: {len(have)} VM(s) for a deleted VirtualMachine"

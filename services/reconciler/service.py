@@ -154,13 +154,12 @@ class Reconciler:
             try:
                 return await step()
             except (ProvisionFailed, nats.errors.Error, TimeoutError) as exc:
-                if self._stop.is_set():
-                    raise StoppedDuringStartup from exc
                 delay = backoff_delay(attempt)
                 attempt += 1
-                log.warning("could not %s (%r); retrying in %.1fs", what, exc, delay)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), delay)
+                if not self._stop.is_set():
+                    log.warning("could not %s (%r); retrying in %.1fs", what, exc, delay)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stop.wait(), delay)
                 if self._stop.is_set():
                     raise StoppedDuringStartup from exc
 
