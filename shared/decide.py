@@ -407,6 +407,7 @@ def _on_result(run: _Run, r: CommandResult) -> None:
     if cmd.fence != r.fence or cmd.vm_id != r.vm_id:
         run.add(Skipped("stale_effect", r.fence.uid, f"result fence does not match command {cmd.id}"))
         return
+    rebuilding = s.rebuilding  # the Done of a round's last survey answer ends the rebuild it belongs to
     run.add(Done(cmd.id, r.outcome))
     rec = _rec_on(s, cmd.vm_id, cmd.host)
     cur = s.cur
@@ -488,7 +489,7 @@ def _on_result(run: _Run, r: CommandResult) -> None:
             if r.outcome == "ok":
                 for item in r.found:
                     if item.vm_id not in s.vms:
-                        _discover(run, item)
+                        _discover(run, item, rebuilding)
                 if not s.rebuilding and not _verifying(s):
                     _after_release(run)  # (still unverified after a round from an older epoch: another)
             else:
@@ -697,7 +698,7 @@ def _on_inventory(run: _Run, i: Inventoried) -> None:
         _on_probe(run, ProbeChanged(i.fence, i.host, i.vm_id, i.ready))
 
 
-def _discover(run: _Run, i: Inventoried) -> None:
+def _discover(run: _Run, i: Inventoried, rebuilding: bool | None = None) -> None:
     """A VM the log does not know: record it under its agent-side owner, then adopt it if it is
     the current incarnation's only VM (after the agent inspects it), else remove it — never a
     leak, never a second VM for a key."""
@@ -706,7 +707,7 @@ def _discover(run: _Run, i: Inventoried) -> None:
     cur = s.cur
     if (
         cur is not None
-        and (cur.fence.uid == i.fence.uid or _adopts_predecessor(s, cur, i))
+        and (cur.fence.uid == i.fence.uid or _adopts_predecessor(s, cur, i, rebuilding))
         and cur.vm_id is None
         and not (cur.deleting or cur.hibernated)
         and len(s.vms) == 1
@@ -732,11 +733,12 @@ def _collect_discovered(run: _Run) -> None:
             _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
 
 
-def _adopts_predecessor(s: KeyState, cur: Incarnation, i: Inventoried) -> bool:
+def _adopts_predecessor(s: KeyState, cur: Incarnation, i: Inventoried, rebuilding: bool | None) -> bool:
     """After a lost log tail the predecessor's VM is known only from the survey: a successor with
-    ``on-recreate: adopt`` takes it over as it would have at its admission (rule 8)."""
+    ``on-recreate: adopt`` takes it over as it would have at its admission (rule 8). ``rebuilding``:
+    whether the survey answer reporting it belonged to the rebuild (its own Done may have ended it)."""
     return (
-        s.rebuilding
+        (s.rebuilding if rebuilding is None else rebuilding)
         and cur.spec.on_recreate == "adopt"
         and s.is_tombstoned(i.fence.uid)
         and i.state not in ("removing", "hibernating")

@@ -99,9 +99,14 @@ def lose_tail(d: Driver, keep: int) -> KeyState:
     return known
 
 
-def answer_surveys(d: Driver, found: dict[str, list[Inventoried]]) -> list:  # type: ignore[type-arg]
+def answer_surveys(d: Driver, found: dict[str, list[Inventoried]], *, finders_last: bool = False) -> list:  # type: ignore[type-arg]
+    """Every host answers its survey; ``finders_last``: the hosts that found something answer after
+    the others (the last answer of a round is the one that ends it)."""
     out = []
-    for s in d.commands("survey"):
+    surveys = d.commands("survey")
+    if finders_last:
+        surveys.sort(key=lambda c: bool(found.get(c.host)))
+    for s in surveys:
         out += d.answer(s, found=found.get(s.host, []))
     return out
 
