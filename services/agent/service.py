@@ -66,6 +66,7 @@ from shared.schema import (
     encode,
 )
 from shared.subjects import Key, Subjects, encode_token
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger("vmfence.agent")
 
@@ -153,16 +154,9 @@ def validate_command(cmd: Command, host: str) -> None:
 
 
 async def _cancel_hard(task: asyncio.Future[Any]) -> None:
-    """Cancel until it takes: on Python 3.11 ``asyncio.wait_for`` swallows a cancel that races
-    with its inner result, and nats-py's initial connect then just tries the next server."""
-    for _ in range(CANCEL_ATTEMPTS):
-        task.cancel()
-        done, _ = await asyncio.wait({task}, timeout=CANCEL_RETRY_S)
-        if done:
-            with contextlib.suppress(BaseException):
-                task.result()
-            return
-    log.warning("a startup step ignored %d cancellations; abandoning it", CANCEL_ATTEMPTS)
+    """Cancel until it takes (see shared.tasks): nats-py's initial connect otherwise just tries
+    the next server."""
+    await cancel_and_wait([task], what="agent step", attempts=CANCEL_ATTEMPTS, recancel_after_s=CANCEL_RETRY_S)
 
 
 class Agent:
@@ -280,8 +274,7 @@ class Agent:
                 ]
                 await self._consume(psub)  # returns once stopping and in-flight work is done
                 self._ready = False
-                for t in background:
-                    t.cancel()
+                await cancel_and_wait(background, what="agent loop")
         except _StoppedDuringStartup:
             log.info("stopped before the agent was ready", extra={"host": cfg.host})
         finally:
@@ -447,8 +440,8 @@ class Agent:
             if inflight:
                 log.info("stopping: %d commands in flight", len(inflight), extra={"host": cfg.host})
                 _, pending = await asyncio.wait(set(inflight), timeout=cfg.shutdown_timeout)
-                for t in pending:  # not acked: redelivered to the next agent process
-                    t.cancel()
+                # not acked: redelivered to the next agent process
+                await cancel_and_wait(pending, what="command")
 
     async def _handle(self, msg: Msg) -> None:
         assert self.executor is not None and self.bus is not None

@@ -48,6 +48,7 @@ from shared.schema import (
 )
 from shared.state import Effect, KeyState, decode_state, encode_state, fold_all
 from shared.subjects import Key, Subjects
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,7 @@ class Partition:
         async with asyncio.TaskGroup() as tg:
             tail = tg.create_task(self._keep(self._tail_foreign, "log tail"))
             await self._keep(self._consume, "consumer")
-            tail.cancel()
+            await cancel_and_wait([tail], what="log tail")
 
     async def _keep(self, loop: Callable[[], Awaitable[None]], what: str) -> None:
         while self.held:

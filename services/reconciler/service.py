@@ -35,6 +35,7 @@ from shared.httpserve import HealthServer
 from shared.logs import setup_logging
 from shared.schema import Input
 from shared.subjects import Subjects
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -125,14 +126,9 @@ class Reconciler:
                 lease_task = tg.create_task(self._lease_loop(leases_kv, tg))
                 fleet_task = tg.create_task(self._fleet_loop(leases_kv, gateway))
                 await self._stop.wait()
-                lease_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await lease_task
+                await cancel_and_wait([lease_task], what="lease loop")
                 await self._release_all()
-                fleet_task.cancel()
-                snap_task.cancel()
-                hosts_task.cancel()
-                effects_task.cancel()
+                await cancel_and_wait([fleet_task, snap_task, hosts_task, effects_task], what="reconciler loop")
                 self.effects.close()
             with contextlib.suppress(Exception):
                 await leases_kv.delete(MEMBER_PREFIX + self.safe_id())
@@ -259,9 +255,7 @@ class Reconciler:
         if part is not None:
             part.held = False
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_and_wait([task], what="partition")
         if self.effects is not None:
             self.effects.cancel_partition(p)
         if part is not None and release:

@@ -60,6 +60,7 @@ from shared.spec import (
     vm_observation,
 )
 from shared.subjects import Key, Subjects
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +266,8 @@ class ResourceLoop:
                     line, buf = buf.split(b"\n", 1)
                     if line.strip():
                         await self._event(json.loads(line))
+                if self.stopping.is_set():
+                    return False  # (a cancellation of this loop can be lost: see shared.tasks)
                 if len(buf) > MAX_LINE_BYTES:
                     raise StreamError(0, "watch event larger than MAX_LINE_BYTES")
         finally:
@@ -395,9 +398,7 @@ class Watcher:
         try:
             await asyncio.wait([stop, *tasks[:-1]], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in [*tasks, stop]:
-                t.cancel()
-            await asyncio.gather(*tasks, stop, return_exceptions=True)
+            await cancel_and_wait([*tasks, stop], what="watch loop")
 
     def stop(self) -> None:
         self.stopping.set()

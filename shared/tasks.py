@@ -1,0 +1,52 @@
+"""Ending tasks for sure.
+
+On Python 3.11 ``asyncio.wait_for`` swallows a cancellation that arrives in the same loop
+iteration as its inner result (gh-86296, fixed in 3.12). nats-py waits for every request's answer
+with it, so a task cancelled while a JetStream publish is being acknowledged can go on running:
+a watch loop kept reading its stream, and a ``TaskGroup`` or a shutdown waiting for it hung. A
+second cancellation takes, so owners end their tasks with :func:`cancel_and_wait`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+RECANCEL_AFTER_S = 2.0  # long enough for a task's own cleanup (its finally) after the first one
+CANCEL_ATTEMPTS = 10
+
+
+async def cancel_and_wait(
+    tasks: Iterable[asyncio.Future[Any]],
+    *,
+    what: str = "task",
+    attempts: int = CANCEL_ATTEMPTS,
+    recancel_after_s: float = RECANCEL_AFTER_S,
+) -> set[asyncio.Future[Any]]:
+    """Cancel ``tasks`` and wait until each has finished, cancelling again those still running
+    ``recancel_after_s`` after the last cancellation.
+
+    Their results and exceptions are consumed (the owner is ending them, not awaiting their
+    outcome). Returns the tasks still running after ``attempts`` cancellations, which are logged;
+    normally none.
+    """
+    tasks = list(tasks)
+    pending = {t for t in tasks if not t.done()}
+    for attempt in range(attempts):
+        if not pending:
+            break
+        if attempt:
+            log.info("%d %s(s) ignored a cancellation; cancelling again", len(pending), what)
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=recancel_after_s)
+    for t in tasks:
+        if t.done() and not t.cancelled():
+            t.exception()  # consumed: never "exception was never retrieved"
+    if pending:
+        log.warning("%d %s(s) ignored %d cancellations; abandoning them", len(pending), what, attempts)
+    return pending
