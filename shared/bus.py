@@ -519,12 +519,18 @@ async def _read_stream_once(
         await request(batch)
         outstanding += batch
         while True:
-            if not buf:
+            quiet = 0.0
+            while not buf:
                 wake.clear()
-                if not buf:
-                    try:
-                        await asyncio.wait_for(wake.wait(), READ_STALL_S)
-                    except TimeoutError:
+                try:
+                    await asyncio.wait_for(wake.wait(), READ_TIMEOUT_S)
+                except TimeoutError:
+                    # nothing came: were our last deliveries sent and lost on the way? (no later
+                    # one arrives to show the gap, and this request may not even expire loudly)
+                    if await _sent_but_not_received(js, stream, consumer, delivered):
+                        raise _DeliveryGap(target) from None
+                    quiet += READ_TIMEOUT_S
+                    if quiet >= READ_STALL_S:
                         raise TimeoutError(f"read_stream {stream}: nothing within {READ_STALL_S}s") from None
             msg = buf.popleft()
             if not msg.reply:  # a status message, not a stored one
@@ -536,6 +542,8 @@ async def _read_stream_once(
                     target = min(target, await _last_matching_seq(js, stream, filter_subject))
                     if position >= target:
                         return
+                    if await _sent_but_not_received(js, stream, consumer, delivered):
+                        raise _DeliveryGap(target)  # the last deliveries were lost: none shows the gap
                     if outstanding <= batch // 2:
                         await request(batch)
                         outstanding += batch
@@ -571,6 +579,15 @@ async def _read_stream_once(
         except nats.errors.Error:
             pass
         await _delete_consumer_quietly(js, stream, consumer)
+
+
+async def _sent_but_not_received(js: JetStreamContext, stream: str, consumer: str, received: int) -> bool:
+    """Whether the consumer delivered past consumer sequence ``received`` (so those were lost)."""
+    try:
+        info = await js._jsm.consumer_info(stream, consumer, timeout=READ_TIMEOUT_S)
+    except (nats.errors.Error, TimeoutError):
+        return False  # unknown: the caller waits on and asks again
+    return info.delivered is not None and info.delivered.consumer_seq > received
 
 
 async def _delete_consumer_quietly(js: JetStreamContext, stream: str, consumer: str | None) -> None:

@@ -56,6 +56,21 @@ async def test_a_read_that_loses_deliveries_still_yields_every_message_once_in_o
     assert got == list(range(1, 301))
 
 
+async def test_a_read_whose_last_deliveries_are_lost_still_ends_with_every_message(
+    proxy: BusProxy, through: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lost delivery is seen as a gap in consumer sequences only when a later one arrives. The
+    last ones of a read have none after them: their pull request expires unfilled, and the
+    consumer's own count of deliveries shows they were sent (it hung, re-pulling forever)."""
+    await _fill(through.js, through.subjects, 12)
+    monkeypatch.setattr(bus, "READ_TIMEOUT_S", 0.5)  # pull expiries come sooner
+    monkeypatch.setattr(bus.Retry.__init__, "__defaults__", (200, 60.0))
+    proxy.set_weather(3, Weather(delivery_lost=0.5))
+    got = [m.seq async for m in read_stream(through.js, IN, batch=4)]
+    assert got == list(range(1, 13))
+    assert proxy.counts["delivery_lost"] > 0
+
+
 async def test_a_long_read_that_loses_deliveries_late_still_yields_every_message(
     proxy: BusProxy, through: Bus, monkeypatch: pytest.MonkeyPatch
 ) -> None:
