@@ -41,6 +41,38 @@ def idle_bound_keys(rec: Any, *, verify: bool = False) -> int:
                 n += 1
     return n
 
+async def until_hosts_live(rec: Any, n: int = 2) -> None:
+    """Until a running ``Reconciler`` sees ``n`` live hosts (their heartbeats)."""
+    while len(rec.hosts.live()) < n:
+        rec.hosts.changed.clear()
+        await asyncio.wait_for(rec.hosts.changed.wait(), 30)
+
+
+async def publish_pod_observations(
+    js: Any, subjects: Any, pods: list[Any], indices: range, timeout_s: float
+) -> None:
+    """First observations of ``pods[i]`` for ``i`` in ``indices`` (uid ``uid-<i>``, rv 1), published
+    asynchronously with at most 1024 unacknowledged."""
+    window: list[asyncio.Future[Any]] = []
+    for i in indices:
+        obs = Observed(str(pods[i]), f"uid-{i:08d}", 1)
+        window.append(await js.publish_async(subjects.observation(pods[i]), encode(obs),
+                                             headers={"Nats-Msg-Id": f"uid-{i:08d}:1"}))
+        if len(window) >= 1024:
+            await asyncio.wait_for(asyncio.gather(*window), timeout_s)
+            window.clear()
+    await asyncio.wait_for(asyncio.gather(*window), timeout_s)
+
+
+async def until_keys_idle(rec: Any, n: int, deadline: float) -> None:
+    """Until ``n`` keys of a running ``Reconciler`` are bound with nothing in flight (polled: the
+    benchmark's own clock, not an event of the reconciler's); TimeoutError after ``deadline``."""
+    while (idle := idle_bound_keys(rec)) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {idle}/{n} keys bound and idle before the deadline")
+        await asyncio.sleep(0.05)
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("bench", help="benchmarks (JSON results)")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
@@ -171,30 +203,10 @@ async def _run_decisions(keys: int, partitions: int) -> dict[str, object]:
         async with asyncio.TaskGroup() as tg:
             rec_task = tg.create_task(rec.run())
             await asyncio.wait_for(rec.ready.wait(), 30)
-            while len(rec.hosts.live()) < 2:
-                rec.hosts.changed.clear()
-                await asyncio.wait_for(rec.hosts.changed.wait(), 30)
+            await until_hosts_live(rec)
             start = time.perf_counter()
-            window: list[asyncio.Future] = []  # type: ignore[type-arg]
-            for i, key in enumerate(pods):
-                obs = Observed(str(key), f"uid-{i:08d}", 1)
-                window.append(
-                    await bus.js.publish_async(
-                        subjects.observation(key), encode(obs), headers={"Nats-Msg-Id": f"uid-{i:08d}:1"}
-                    )
-                )
-                if len(window) >= 1024:
-                    await asyncio.wait_for(asyncio.gather(*window), 30)
-                    window.clear()
-            await asyncio.wait_for(asyncio.gather(*window), 30)
-            deadline = time.monotonic() + max(120.0, keys / 50)
-            while True:
-                bound = idle_bound_keys(rec)
-                if bound >= keys:
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"only {bound}/{keys} keys bound before the deadline")
-                await asyncio.sleep(0.05)
+            await publish_pod_observations(bus.js, subjects, pods, range(keys), 30)
+            await until_keys_idle(rec, keys, time.monotonic() + max(120.0, keys / 50))
             seconds = time.perf_counter() - start
             decisions = sum(p.stats["decisions"] for p in rec.partitions.values())
             entries = sum(p.stats["entries"] for p in rec.partitions.values())

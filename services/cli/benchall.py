@@ -616,12 +616,12 @@ def state_child_main(url: str, keys: int, data_dir: str, rec_id: str, partitions
 
 
 async def _state_child(url: str, keys: int, data_dir: str, rec_id: str, partitions: int, wave: int = 0) -> None:
-    from services.cli.bench import idle_bound_keys
+    from services.cli.bench import idle_bound_keys, publish_pod_observations, until_hosts_live, until_keys_idle
     from services.reconciler.config import ReconcilerConfig
     from services.reconciler.kube import NullGateway
     from services.reconciler.service import Reconciler
     from shared.bus import Bus
-    from shared.schema import HostHeartbeat, Observed, Spec, encode
+    from shared.schema import HostHeartbeat, Spec, encode
     from shared.subjects import Key, Subjects
 
     def say(**kw: Any) -> None:
@@ -659,34 +659,17 @@ async def _state_child(url: str, keys: int, data_dir: str, rec_id: str, partitio
         beat_task = tg.create_task(beat())
         rec_task = tg.create_task(rec.run())
         await asyncio.wait_for(rec.ready.wait(), 60)
-        while len(rec.hosts.live()) < 2:
-            rec.hosts.changed.clear()
-            await asyncio.wait_for(rec.hosts.changed.wait(), 30)
+        await until_hosts_live(rec)
         await asyncio.sleep(0.5)
         gc.collect()
         say(phase="empty", rss=rss_bytes(os.getpid()))
         t0 = time.perf_counter()
-        window: list[asyncio.Future[Any]] = []
         step = wave or keys
         deadline = time.monotonic() + max(300.0, keys / 50)
         for lo in range(0, keys, step):
             hi = min(keys, lo + step)
-            for i in range(lo, hi):
-                obs = Observed(str(pods[i]), f"uid-{i:08d}", 1)
-                window.append(await bus.js.publish_async(subjects.observation(pods[i]), encode(obs),
-                                                         headers={"Nats-Msg-Id": f"uid-{i:08d}:1"}))
-                if len(window) >= 1024:
-                    await asyncio.wait_for(asyncio.gather(*window), 60)
-                    window.clear()
-            await asyncio.wait_for(asyncio.gather(*window), 60)
-            window.clear()
-            while True:
-                idle = idle_bound_keys(rec)
-                if idle >= hi:
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"only {idle}/{hi} keys idle")
-                await asyncio.sleep(0.05)
+            await publish_pod_observations(bus.js, subjects, pods, range(lo, hi), 60)
+            await until_keys_idle(rec, hi, deadline)
         seconds = time.perf_counter() - t0
         await asyncio.sleep(1.0)
         if (bound := idle_bound_keys(rec, verify=True)) < keys:
