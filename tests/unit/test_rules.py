@@ -736,12 +736,18 @@ def test_an_epoch_a_rebuild_gave_no_incarnation_shown_by_an_agent_under_a_uid_is
     assert rebuilt.epoch_floor == 1 and d.state.epoch == 2
 
 
-def test_a_vm_lost_while_its_adopt_is_in_flight_is_released_and_made_again() -> None:
+def _adopting_the_live_vm_after_an_unseen_cut() -> tuple[Driver, Inventoried, Command]:
+    """The inventory of u3's VM showed the cut; after the survey and u3's relist, its adopt is out."""
     d, vm3, _ = _live_vm_after_an_unseen_cut()
     d.feed(vm3)
     answer_surveys(d, {vm3.host: [vm3]})
     d.admit("u3")
     (adopt,) = d.commands("adopt")
+    return d, vm3, adopt
+
+
+def test_a_vm_lost_while_its_adopt_is_in_flight_is_released_and_made_again() -> None:
+    d, _, adopt = _adopting_the_live_vm_after_an_unseen_cut()
     # the agent moved the VM to the adopting fence, then lost it; VM-gone comes before the answer
     out = d.feed(VMGone(adopt.fence, adopt.host, adopt.vm_id))
     assert [r.reason for r in of(out, Released)] == ["gone"]
@@ -752,11 +758,7 @@ def test_a_vm_lost_while_its_adopt_is_in_flight_is_released_and_made_again() -> 
 
 
 def test_a_vm_name_a_lost_tail_gave_is_never_given_again_and_namesakes_stay_apart() -> None:
-    d, vm3, _ = _live_vm_after_an_unseen_cut()
-    d.feed(vm3)
-    answer_surveys(d, {vm3.host: [vm3]})
-    d.admit("u3")
-    (adopt,) = d.commands("adopt")
+    d, vm3, adopt = _adopting_the_live_vm_after_an_unseen_cut()
     d.feed(VMGone(vm3.fence, vm3.host, vm3.vm_id))  # lost before the adopt reached it
     (create,) = d.commands("create")
     # the agents' tombstone of that name is per host: given again elsewhere, late news of the lost
