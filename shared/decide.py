@@ -625,11 +625,10 @@ def _on_exited(run: _Run, e: VMExited) -> None:
 def _on_gone(run: _Run, g: VMGone) -> None:
     s = run.s
     rec = _rec_on(s, g.vm_id, g.host)
-    if rec is not None and rec.fence != g.fence and rec.state == "adopting" and s.is_current(g.fence):
-        # lost after the agent moved it to the adopting fence, before the adopt's answer came back:
-        # it is gone all the same (as an adopt answered not_found: released, a new VM made)
-        pass
-    elif rec is None or rec.fence != g.fence:
+    # lost after the agent moved it to the adopting fence, before the adopt's answer came back: it
+    # is gone all the same (as an adopt answered not_found: released, a new VM made)
+    lost_while_adopted = rec is not None and rec.state == "adopting" and s.is_current(g.fence)
+    if rec is None or (rec.fence != g.fence and not lost_while_adopted):
         _skip_foreign(run, g.fence, f"vm-gone of {g.vm_id}")
         return
     cur = s.cur
@@ -685,7 +684,7 @@ def _on_inventory(run: _Run, i: Inventoried) -> None:
             _on_gone(run, VMGone(i.fence, i.host, i.vm_id))
         return  # a lost VM is never discovered: there is nothing to adopt or remove
     if rec is None:
-        _discover(run, i)
+        _discover(run, i, run.s.rebuilding)
     elif not ours:
         return
     elif i.state == "exited":
@@ -698,10 +697,11 @@ def _on_inventory(run: _Run, i: Inventoried) -> None:
         _on_probe(run, ProbeChanged(i.fence, i.host, i.vm_id, i.ready))
 
 
-def _discover(run: _Run, i: Inventoried, rebuilding: bool | None = None) -> None:
+def _discover(run: _Run, i: Inventoried, rebuilding: bool) -> None:
     """A VM the log does not know: record it under its agent-side owner, then adopt it if it is
     the current incarnation's only VM (after the agent inspects it), else remove it — never a
-    leak, never a second VM for a key."""
+    leak, never a second VM for a key. ``rebuilding``: the report came while a lost tail was being
+    rebuilt (a survey answer's own Done may have ended the rebuild since)."""
     s = run.s
     run.add(Discovered(i.fence, i.vm_id, i.host))
     cur = s.cur
@@ -733,12 +733,11 @@ def _collect_discovered(run: _Run) -> None:
             _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
 
 
-def _adopts_predecessor(s: KeyState, cur: Incarnation, i: Inventoried, rebuilding: bool | None) -> bool:
+def _adopts_predecessor(s: KeyState, cur: Incarnation, i: Inventoried, rebuilding: bool) -> bool:
     """After a lost log tail the predecessor's VM is known only from the survey: a successor with
-    ``on-recreate: adopt`` takes it over as it would have at its admission (rule 8). ``rebuilding``:
-    whether the survey answer reporting it belonged to the rebuild (its own Done may have ended it)."""
+    ``on-recreate: adopt`` takes it over as it would have at its admission (rule 8)."""
     return (
-        (s.rebuilding if rebuilding is None else rebuilding)
+        rebuilding
         and cur.spec.on_recreate == "adopt"
         and s.is_tombstoned(i.fence.uid)
         and i.state not in ("removing", "hibernating")
