@@ -50,3 +50,12 @@ async def cancel_and_wait(
     if pending:
         log.warning("%d %s(s) ignored %d cancellations; abandoning them", len(pending), what, attempts)
     return pending
+
+
+async def sleep_unless_set(event: asyncio.Event, seconds: float) -> bool:
+    """Sleep ``seconds``, waking early when ``event`` is set (a stop); True if it is set."""
+    try:
+        await asyncio.wait_for(event.wait(), seconds)
+    except TimeoutError:
+        return False
+    return True

@@ -66,7 +66,7 @@ from shared.schema import (
     encode,
 )
 from shared.subjects import Key, Subjects, encode_token
-from shared.tasks import cancel_and_wait
+from shared.tasks import cancel_and_wait, sleep_unless_set
 
 log = logging.getLogger("vmfence.agent")
 
@@ -626,11 +626,7 @@ class Agent:
 
     async def _sleep(self, seconds: float) -> bool:
         """Sleep, waking early on stop; True if stopping."""
-        try:
-            await asyncio.wait_for(self._stopping.wait(), seconds)
-        except TimeoutError:
-            return False
-        return True
+        return await sleep_unless_set(self._stopping, seconds)
 
 
 # ---------------------------------------------------------------------------------- CLI

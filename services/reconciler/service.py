@@ -35,7 +35,7 @@ from shared.httpserve import HealthServer
 from shared.logs import setup_logging
 from shared.schema import Input
 from shared.subjects import Subjects
-from shared.tasks import cancel_and_wait
+from shared.tasks import cancel_and_wait, sleep_unless_set
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -154,9 +154,7 @@ class Reconciler:
                 attempt += 1
                 if not self._stop.is_set():
                     log.warning("could not %s (%r); retrying in %.1fs", what, exc, delay)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._stop.wait(), delay)
-                if self._stop.is_set():
+                if await sleep_unless_set(self._stop, delay):
                     raise StoppedDuringStartup from exc
 
     def safe_id(self) -> str:

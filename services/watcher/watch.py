@@ -60,7 +60,7 @@ from shared.spec import (
     vm_observation,
 )
 from shared.subjects import Key, Subjects
-from shared.tasks import cancel_and_wait
+from shared.tasks import cancel_and_wait, sleep_unless_set
 
 log = logging.getLogger(__name__)
 
@@ -333,10 +333,7 @@ class ResourceLoop:
                 continue
             delay = backoff_delay(attempt)
             attempt += 1
-            try:
-                await asyncio.wait_for(self.stopping.wait(), delay)
-            except TimeoutError:
-                pass
+            await sleep_unless_set(self.stopping, delay)
 
 
 async def _read_json(resp: Any) -> JSON:
