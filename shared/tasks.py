@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,45 @@ async def cancel_and_wait(
     if pending:
         log.warning("%d %s(s) ignored %d cancellations; abandoning them", len(pending), what, attempts)
     return pending
+
+
+async def end_within(
+    tasks: Iterable[asyncio.Future[Any]], seconds: float, *, what: str = "task"
+) -> set[asyncio.Future[Any]]:
+    """Give ``tasks``, already asked to stop, ``seconds`` to end on their own; then log where each
+    one still running is stuck and cancel it (:func:`cancel_and_wait`). A stop that must not hang
+    its caller. Returns the tasks that outlived every cancellation (normally none)."""
+    tasks = list(tasks)
+    pending = {t for t in tasks if not t.done()}
+    if pending:
+        _, pending = await asyncio.wait(pending, timeout=seconds)
+    for t in pending:
+        name = t.get_name() if isinstance(t, asyncio.Task) else repr(t)
+        log.error("%s %s did not end within %gs; cancelling it. It was at:\n%s", what, name, seconds,
+                  "\n".join(await_chain(t)))
+    return await cancel_and_wait(tasks, what=what)
+
+
+async def run_within(aw: Awaitable[Any], seconds: float, *, what: str) -> None:
+    """Run one step of a shutdown for at most ``seconds`` (then it is cancelled and logged); its
+    errors are logged, not raised, so the steps after it still run."""
+    task = asyncio.ensure_future(aw)
+    await end_within([task], seconds, what=what)
+    if task.done() and not task.cancelled() and task.exception() is not None:
+        log.warning("%s failed: %r", what, task.exception())
+
+
+def await_chain(aw: Any) -> list[str]:
+    """Where a task, coroutine or async generator is suspended: its whole await chain as
+    ``file:line function`` lines, outermost first (``Task.get_stack`` shows only the outermost)."""
+    lines = []
+    node = aw.get_coro() if isinstance(aw, asyncio.Task) else aw
+    while node is not None:
+        frame = getattr(node, "cr_frame", None) or getattr(node, "gi_frame", None) or getattr(node, "ag_frame", None)
+        if frame is not None:
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+        node = getattr(node, "cr_await", None) or getattr(node, "gi_yieldfrom", None) or getattr(node, "ag_await", None)
+    return lines
 
 
 async def sleep_unless_set(event: asyncio.Event, seconds: float) -> bool:

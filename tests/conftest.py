@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import inspect
 import io
 import sys
 from collections.abc import AsyncIterator
-from typing import Any
+from pathlib import Path
 
 import pytest
 from nats.js import JetStreamContext
 
 from shared.bus import connect
 from shared.natsserver import NatsServer, nats_server_binary, start_nats
+from shared.tasks import await_chain
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +55,7 @@ async def js(nats_url: str) -> AsyncIterator[JetStreamContext]:
 # ------------------------------------------------ what a hung async test was waiting for
 
 WATCHDOG_MARGIN_S = 15.0
+_OURS = str(Path(__file__).resolve().parent.parent)
 
 
 @pytest.fixture(autouse=True)
@@ -75,15 +78,21 @@ async def _task_stacks_before_timeout(request: pytest.FixtureRequest) -> AsyncIt
         await asyncio.sleep(limit - WATCHDOG_MARGIN_S)
         out = io.StringIO()
         me = asyncio.current_task()
+        idle = 0
         for task in asyncio.all_tasks():
-            if task is not me:
-                print(f"{task!r}\n  awaiting:", file=out)
-                coro: Any = task.get_coro()
-                while coro is not None:  # the whole await chain, not only the task's own frame
-                    frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
-                    if frame is not None:
-                        print(f"    {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}", file=out)
-                    coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+            if task is me:
+                continue
+            chain = await_chain(task)
+            if not any(_OURS in line and "site-packages" not in line for line in chain):
+                idle += 1  # a library's own loop (a nats flusher, a subscription): noise at the tail
+                continue
+            print(f"{task!r}\n  awaiting:", *chain, sep="\n", file=out)
+        print(f"({idle} more tasks wait inside libraries only)", file=out)
+        # a fixture's teardown awaits its async generator through an object with no frame; the
+        # suspended generators themselves say where each one is
+        for gen in gc.get_objects():
+            if inspect.isasyncgen(gen) and gen.ag_frame is not None and gen.ag_await is not None:
+                print(f"{gen!r}\n  awaiting:", *await_chain(gen), sep="\n", file=out)
         print(f"--- asyncio tasks {limit - WATCHDOG_MARGIN_S:.0f} s into {request.node.nodeid} ---\n"
               f"{out.getvalue()}", file=sys.stderr)
 

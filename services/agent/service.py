@@ -66,7 +66,7 @@ from shared.schema import (
     encode,
 )
 from shared.subjects import Key, Subjects, encode_token
-from shared.tasks import cancel_and_wait, sleep_unless_set
+from shared.tasks import cancel_and_wait, end_within, run_within, sleep_unless_set
 
 log = logging.getLogger("vmfence.agent")
 
@@ -217,16 +217,8 @@ class Agent:
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
                         tb: TracebackType | None) -> None:
         self.stop()
-        if self._task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._task), self.config.shutdown_timeout + STOP_GRACE_S)
-            except TimeoutError:
-                # a bounded stop: say where it hung, then cancel (never hang the caller)
-                log.error("agent did not stop in time; cancelling", extra={"host": self.config.host})
-                for task in asyncio.all_tasks():
-                    if not task.done():
-                        task.print_stack(limit=6, file=sys.stderr)
-                await _cancel_hard(self._task)
+        if self._task is not None:  # a bounded stop: where it hung is logged, then it is cancelled
+            await end_within([self._task], self.config.shutdown_timeout + STOP_GRACE_S, what="agent")
 
     async def run(self, *, ready: asyncio.Event | None = None) -> None:
         """Run until stop(); sets ``ready`` once the inventory is out and commands are consumed."""
@@ -298,24 +290,28 @@ class Agent:
         raise AgentStartError(f"could not {what} within {self.config.connect_timeout:g}s")
 
     async def _shutdown(self) -> None:
+        """Every step runs even when one fails or the agent is cancelled during it: a skipped bus
+        close or data-dir unlock would outlive the agent."""
         self._ready = False
-        if self.config.cleanup_on_stop and self.executor is not None:
-            n = await self.executor.remove_all()
-            log.info("cleanup on stop: removed %d VMs", n, extra={"host": self.config.host})
-        if self._driver is not None:
-            with contextlib.suppress(Exception):
-                await self._driver.close()  # drops connections; never kills VMs
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        if self.bus is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.bus.close(), NET_TIMEOUT_S)
-        await self.ledger.close()
+        async with contextlib.AsyncExitStack() as steps:  # run last-pushed first
+            steps.callback(log.info, "agent stopped", extra={"host": self.config.host, "event": "stopped"})
+            steps.callback(self._unlock_data_dir)
+            steps.push_async_callback(self.ledger.close)
+            if self.bus is not None:
+                steps.push_async_callback(run_within, self.bus.close(), NET_TIMEOUT_S, what="closing NATS")
+            if self._runner is not None:
+                steps.push_async_callback(self._runner.cleanup)
+                self._runner = None
+            if self._driver is not None:  # drops connections; never kills VMs
+                steps.push_async_callback(run_within, self._driver.close(), NET_TIMEOUT_S, what="closing the driver")
+            if self.config.cleanup_on_stop and self.executor is not None:
+                n = await self.executor.remove_all()
+                log.info("cleanup on stop: removed %d VMs", n, extra={"host": self.config.host})
+
+    def _unlock_data_dir(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
-        log.info("agent stopped", extra={"host": self.config.host, "event": "stopped"})
 
     def _lock_data_dir(self) -> None:
         """One agent per data dir: two writers of one ledger would each believe they own the VMs."""

@@ -9,7 +9,6 @@ and start it again, as an operator's node failure would). Everything writes unde
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
@@ -31,6 +30,7 @@ from services.watcher.watch import Watcher
 from shared.bus import Bus, StreamsConfig, provision
 from shared.natsserver import NatsServer, free_port, start_nats
 from shared.subjects import Subjects
+from shared.tasks import end_within, run_within
 
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
@@ -161,7 +161,10 @@ class LocalStack:
         agent = self.agents.pop(host)
         agent.config = dataclasses.replace(agent.config, cleanup_on_stop=False)
         agent.stop()
-        await asyncio.wait_for(self._agent_tasks.pop(host), STOP_TIMEOUT_S)
+        task = self._agent_tasks.pop(host)
+        await end_within([task], STOP_TIMEOUT_S, what="agent")
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
 
     def start_reconciler(self, name: str) -> None:
         rp = self.recs[name]
@@ -234,19 +237,18 @@ class LocalStack:
             self.watcher.stop()
         for agent in self.agents.values():
             agent.stop()
-        for task in [*self._tasks, *self._agent_tasks.values()]:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(task, STOP_TIMEOUT_S)
+        # every step bounded: a stop that hangs would hide what it hung on (it is logged instead)
+        await end_within([*self._tasks, *self._agent_tasks.values()], STOP_TIMEOUT_S, what="stack task")
         if self.api is not None:
-            await self.api.close()
+            await run_within(self.api.close(), STOP_TIMEOUT_S, what="closing the Kubernetes client")
         if self.watcher_bus is not None and self.watcher_bus is not self.bus:
-            await self.watcher_bus.close()
+            await run_within(self.watcher_bus.close(), STOP_TIMEOUT_S, what="closing the watcher's NATS")
         if self.bus is not None:
-            await self.bus.close()
+            await run_within(self.bus.close(), STOP_TIMEOUT_S, what="closing NATS")
         if self.apiserver is not None:
-            await self.apiserver.stop()
+            await run_within(self.apiserver.stop(), STOP_TIMEOUT_S, what="stopping the API server")
         if self.nats is not None:
-            await self.nats.stop()
+            await run_within(self.nats.stop(), STOP_TIMEOUT_S, what="stopping nats-server")
 
 
 async def _http_ok(port: int, path: str) -> bool:

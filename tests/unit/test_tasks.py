@@ -1,12 +1,16 @@
 """cancel_and_wait ends a task that swallowed its first cancellation (as Python 3.11's
-asyncio.wait_for does when its inner result races the cancel)."""
+asyncio.wait_for does when its inner result races the cancel); end_within and run_within bound a
+stop and say where it hung."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
-from shared.tasks import cancel_and_wait
+import pytest
+
+from shared.tasks import await_chain, cancel_and_wait, end_within, run_within
 
 
 async def test_a_task_that_swallows_a_cancellation_is_cancelled_again() -> None:
@@ -59,3 +63,50 @@ async def test_failures_are_consumed_and_a_task_that_never_ends_is_reported() ->
     assert await cancel_and_wait([failed, forever], attempts=3, recancel_after_s=0.01) == {forever}
     released.set()
     await forever
+
+
+async def _parked(until: asyncio.Event) -> None:
+    await until.wait()
+
+
+async def test_a_task_that_ends_on_its_own_is_not_cancelled() -> None:
+    asked = asyncio.Event()
+    task = asyncio.create_task(_parked(asked))
+    asked.set()
+    assert await end_within([task], 5.0) == set()
+    assert task.done() and not task.cancelled()
+
+
+async def test_a_stop_that_hangs_is_logged_with_where_it_hung_then_cancelled(caplog: pytest.LogCaptureFixture) -> None:
+    never = asyncio.Event()
+    task = asyncio.create_task(_parked(never), name="stuck-loop")
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.ERROR, logger="shared.tasks"):
+        assert await end_within([task], 0.05, what="stack task") == set()
+    assert task.cancelled()
+    (record,) = caplog.records
+    assert "stack task stuck-loop did not end within 0.05s" in record.getMessage()
+    assert "_parked" in record.getMessage()  # the await chain reaches the coroutine it is parked in
+
+
+async def test_run_within_logs_a_failing_step_so_the_next_steps_still_run(caplog: pytest.LogCaptureFixture) -> None:
+    async def fails() -> None:
+        raise OSError("socket already closed")
+
+    with caplog.at_level(logging.WARNING, logger="shared.tasks"):
+        await run_within(fails(), 1.0, what="closing NATS")
+    assert "closing NATS failed: OSError('socket already closed')" in caplog.text
+
+
+async def test_the_await_chain_of_a_suspended_task_names_every_level() -> None:
+    async def inner() -> None:
+        await asyncio.Event().wait()
+
+    async def outer() -> None:
+        await inner()
+
+    task = asyncio.create_task(outer())
+    await asyncio.sleep(0)
+    names = [line.rsplit(" ", 1)[-1] for line in await_chain(task)]
+    assert names == ["outer", "inner", "wait"]
+    await cancel_and_wait([task])
