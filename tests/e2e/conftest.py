@@ -19,6 +19,7 @@ from services.cli.logcmds import audit_records
 from services.cli.stack import LocalStack
 from shared.audit import AuditReport
 from shared.decisions import Record, read_log
+from shared.tasks import cancel_and_wait
 
 NS = "default"
 WAIT_S = 45.0
@@ -156,9 +157,7 @@ async def running_env(root: Path, **kw: Any) -> AsyncIterator[Env]:
     try:
         yield env
     finally:
-        oracle.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await oracle
+        await cancel_and_wait([oracle], what="oracle")
         await stack.stop()
 
 
