@@ -52,6 +52,18 @@ async def cancel_and_wait(
     return pending
 
 
+async def join(tasks: Iterable[asyncio.Future[Any]], *, what: str = "task") -> None:
+    """Wait until ``tasks`` end. If this wait is cancelled, they are ended for sure first: a
+    TaskGroup cancels its children only once, so one child that swallowed that cancel kept the
+    group, and its owner's shutdown, waiting forever."""
+    tasks = list(tasks)
+    try:
+        if tasks:
+            await asyncio.wait(tasks)
+    finally:
+        await cancel_and_wait(tasks, what=what)
+
+
 async def end_within(
     tasks: Iterable[asyncio.Future[Any]], seconds: float, *, what: str = "task"
 ) -> set[asyncio.Future[Any]]:

@@ -16,6 +16,7 @@ from services.agent.ledger import Ledger
 from services.agent.logs import fence_fields
 from services.agent.runtime import Inconclusive, RuntimeDriver, RuntimeFailure
 from shared.schema import Fence, ProbeChanged
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger("vmfence.agent.probes")
 
@@ -36,7 +37,8 @@ class Prober:
         self.interval = interval
         self.timeout = timeout
         self._kick = asyncio.Event()
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # the one current loop per VM
+        self._running: set[asyncio.Task[None]] = set()  # every loop not yet ended, current or not
         self._touched: set[str] = set()
         self._probed: dict[str, tuple[Fence, bool]] = {}  # vm_id -> its last readiness, and the fence
 
@@ -79,9 +81,8 @@ class Prober:
                         await asyncio.wait_for(self._kick.wait(), max(0.0, next_sweep - loop.time()))
                     except TimeoutError:
                         pass
-            finally:
-                for t in self._tasks.values():
-                    t.cancel()
+            finally:  # each ended for sure: a TaskGroup cancels only once, and waits for all
+                await cancel_and_wait(self._running, what="probe loop")
 
     def _sync_one(self, tg: asyncio.TaskGroup, vm_id: str) -> None:
         row = self.ledger.vm(vm_id)
@@ -92,7 +93,7 @@ class Prober:
             del self._tasks[vm_id]
             task = None
         if wanted and task is None:
-            self._tasks[vm_id] = tg.create_task(self._loop(vm_id), name=f"probe-{vm_id}")
+            self._start(tg, vm_id)
 
     def _sync(self, tg: asyncio.TaskGroup) -> None:
         want = {r.vm_id for r in self.ledger.vms() if r.state in PROBED_STATES}
@@ -101,11 +102,20 @@ class Prober:
                 task.cancel()
                 del self._tasks[vm_id]
         for vm_id in want - self._tasks.keys():
-            self._tasks[vm_id] = tg.create_task(self._loop(vm_id), name=f"probe-{vm_id}")
+            self._start(tg, vm_id)
+
+    def _start(self, tg: asyncio.TaskGroup, vm_id: str) -> None:
+        task = tg.create_task(self._loop(vm_id), name=f"probe-{vm_id}")
+        self._tasks[vm_id] = task
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
     async def _loop(self, vm_id: str) -> None:
+        """Probe until the VM stops being probed or this loop is replaced. A replaced loop was
+        cancelled, but on Python 3.11 a cancel racing a publish's answer can be swallowed (see
+        shared.tasks): it then ends here, rather than probe on beside its successor."""
         last: dict[Fence, bool] = {}
-        while True:
+        while self._tasks.get(vm_id) is asyncio.current_task():
             row = self.ledger.vm(vm_id)
             if row is None or row.state not in PROBED_STATES:
                 self._probed.pop(vm_id, None)  # a VM not probed has no readiness to repeat

@@ -264,9 +264,11 @@ class Agent:
                     tg.create_task(self._every(cfg.heartbeat_interval, self.heartbeat), name="heartbeat"),
                     tg.create_task(self.prober.run(), name="probes"),
                 ]
-                await self._consume(psub)  # returns once stopping and in-flight work is done
-                self._ready = False
-                await cancel_and_wait(background, what="agent loop")
+                try:
+                    await self._consume(psub)  # returns once stopping and in-flight work is done
+                finally:  # also when run() itself is cancelled: the group would cancel them only once
+                    self._ready = False
+                    await cancel_and_wait(background, what="agent loop")
         except _StoppedDuringStartup:
             log.info("stopped before the agent was ready", extra={"host": cfg.host})
         finally:

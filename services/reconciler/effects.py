@@ -32,6 +32,7 @@ from shared.schema import (
 )
 from shared.state import Effect
 from shared.subjects import Key, Subjects
+from shared.tasks import join
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,7 @@ class EffectRunner:
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
-            for _ in range(self.workers):
-                tg.create_task(self._worker())
+            await join([tg.create_task(self._worker()) for _ in range(self.workers)], what="effect worker")
 
     def close(self) -> None:
         for handle in self._timers.values():

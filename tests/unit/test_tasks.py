@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from shared.tasks import await_chain, cancel_and_wait, end_within, run_within
+from shared.tasks import await_chain, cancel_and_wait, end_within, join, run_within
 
 
 async def test_a_task_that_swallows_a_cancellation_is_cancelled_again() -> None:
@@ -110,3 +110,32 @@ async def test_the_await_chain_of_a_suspended_task_names_every_level() -> None:
     names = [line.rsplit(" ", 1)[-1] for line in await_chain(task)]
     assert names == ["outer", "inner", "wait"]
     await cancel_and_wait([task])
+
+
+@pytest.mark.parametrize("waits_with", ["join", "the group alone"])
+async def test_a_task_group_whose_child_swallows_a_cancel_still_ends_with_join(waits_with: str) -> None:
+    entered, released = asyncio.Event(), asyncio.Event()
+
+    async def swallows_a_cancel() -> None:  # an effect worker whose publish's answer won the race
+        try:
+            entered.set()
+            await released.wait()
+        except asyncio.CancelledError:
+            await released.wait()  # ...and goes on to its next item: only another cancel ends it
+
+    async def owner() -> None:
+        async with asyncio.TaskGroup() as tg:
+            children = [tg.create_task(swallows_a_cancel())]
+            if waits_with == "join":
+                await join(children)
+
+    task = asyncio.create_task(owner())
+    await entered.wait()
+    left = await cancel_and_wait([task], attempts=3, recancel_after_s=0.05)
+    if waits_with == "join":
+        assert left == set() and task.cancelled()
+    else:  # what join is for: the group cancels its child once, then waits for it forever
+        assert left == {task}
+        released.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

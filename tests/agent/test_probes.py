@@ -1,0 +1,81 @@
+"""Probe loops end for sure, even when a cancellation is swallowed.
+
+On Python 3.11 a cancel that races a publish's answer can be swallowed (shared.tasks). A probe loop
+replaced by ``restart`` then went on probing beside its successor, and at shutdown the prober's
+TaskGroup, which cancels its children only once, waited for it forever: the agent never stopped.
+Here the publish swallows every cancellation, which makes that race certain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from services.agent.ledger import Ledger, VMRow
+from services.agent.probes import Prober
+from services.agent.runtime import RuntimeDriver, VMSpec, make_driver
+from shared.schema import ProbeChanged, Spec
+from shared.tasks import cancel_and_wait
+
+from .conftest import fence
+
+VM = "vm-p"
+INTERVAL_S = 0.02
+
+
+class SwallowingPublish:
+    """A publish whose answer always wins the race with a cancel: the cancel is lost."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.published: list[ProbeChanged] = []
+
+    async def __call__(self, change: ProbeChanged) -> None:
+        self.entered.set()
+        try:
+            await asyncio.Event().wait()  # the answer has not come yet
+        except asyncio.CancelledError:
+            self.published.append(change)  # ...and now it has, in the same loop iteration
+
+
+@pytest.fixture
+async def probed(tmp_path: Path) -> AsyncIterator[tuple[Ledger, RuntimeDriver]]:
+    ledger = Ledger(str(tmp_path / "ledger.sqlite3"))
+    await ledger.open()
+    driver = make_driver("sim", state_dir=str(tmp_path / "runtime"), seed=1)
+    await driver.open()
+    await driver.create(VMSpec(vm_id=VM))
+    await ledger.put_vm(VMRow(vm_id=VM, fence=fence(1), state="running", spec=Spec(cpus=1, memory_mib=64)))
+    try:
+        yield ledger, driver
+    finally:
+        await driver.close()
+        await ledger.close()
+
+
+def probe_loops() -> list[asyncio.Task[object]]:
+    return [t for t in asyncio.all_tasks() if t.get_name() == f"probe-{VM}" and not t.done()]
+
+
+async def test_a_replaced_probe_loop_ends_and_the_prober_stops(probed: tuple[Ledger, RuntimeDriver]) -> None:
+    ledger, driver = probed
+    publish = SwallowingPublish()
+    prober = Prober(ledger, driver, "host-a", publish, interval=INTERVAL_S, timeout=1.0)
+    run = asyncio.create_task(prober.run())
+    prober.kick(VM)
+    await asyncio.wait_for(publish.entered.wait(), 5)
+    first = probe_loops()
+    assert len(first) == 1
+
+    publish.entered.clear()
+    prober.restart(VM)  # the VM restarted: its loop is replaced, and the cancel is swallowed
+    await asyncio.wait_for(publish.entered.wait(), 5)  # the successor probes and publishes
+    await asyncio.wait_for(asyncio.wait(first), 5)  # the replaced loop ended by itself
+    assert len(probe_loops()) == 1, "a replaced probe loop went on beside its successor"
+
+    # the successor is parked in a publish that swallows cancels, as the replaced one was
+    assert await cancel_and_wait([run], attempts=3, recancel_after_s=0.5) == set(), "the prober never stopped"
+    assert probe_loops() == []
