@@ -43,6 +43,7 @@ META_PARTITIONS = "vmfence.partitions"
 ERR_WRONG_LAST_SEQUENCE = 10071  # Nats-Expected-Last-Subject-Sequence did not match
 ERR_IN_FLIGHT_PROPOSAL = (10163, 10164)  # R3: another proposal on the same subject is in flight
 ERR_STREAM_NAME_IN_USE = 10058  # add_stream with a different config for an existing name
+ERR_NO_SUITABLE_PEERS = 10005  # placement: a peer is offline or not yet caught up (a forming cluster)
 RETRIABLE_HTTP_CODES = (503,)  # JetStream temporarily unavailable (no leader yet)
 
 # --- bounds --------------------------------------------------------------------------------------
@@ -316,7 +317,9 @@ async def _ensure_stream_retrying(js: JetStreamContext, want: api.StreamConfig, 
             await _ensure_stream(js, want, partitions)
             return
         except nats.js.errors.APIError as exc:
-            if not _retriable_api_error(exc):
+            # a cluster that has just started (or is restarting a node) places an R3 stream only
+            # once every peer has reported in, even after its meta leader saw them all
+            if not (_retriable_api_error(exc) or exc.err_code == ERR_NO_SUITABLE_PEERS):
                 raise
             last_error: BaseException = exc
         except _TRANSIENT as exc:

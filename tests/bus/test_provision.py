@@ -1,4 +1,5 @@
-"""provision(): idempotent, records the partition count, refuses a different one, race-safe."""
+"""provision(): idempotent, records the partition count, refuses a different one, race-safe, and
+waits out a cluster that cannot place a stream yet."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from nats.js import JetStreamContext, api
+from nats.js.errors import BadRequestError
 
 from shared.bus import META_PARTITIONS, PartitionMismatch, StreamsConfig, connect, provision
 from shared.subjects import Subjects
@@ -127,3 +129,26 @@ async def test_concurrent_provision_from_two_processes(nats_url: str) -> None:
         assert info.config.metadata is not None and info.config.metadata[META_PARTITIONS] == "16"
     finally:
         await nc.close()
+
+
+class PlacementFailsFirst:
+    """The real JetStream context, except that its first add_stream calls answer as a cluster whose
+    last peer has not reported in yet does (seen in CI right after a 3-node cluster was ready)."""
+
+    def __init__(self, js: JetStreamContext, failures: int) -> None:
+        self.js, self.failures = js, failures
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.js, name)
+
+    async def add_stream(self, config: api.StreamConfig | None = None, **params: object) -> api.StreamInfo:
+        if self.failures:
+            self.failures -= 1
+            raise BadRequestError(code=400, err_code=10005, description="no suitable peers for placement, peer offline")
+        return await self.js.add_stream(config, **params)
+
+
+async def test_a_stream_the_cluster_cannot_place_yet_is_retried(js: JetStreamContext) -> None:
+    s = Subjects()
+    await provision(PlacementFailsFirst(js, failures=2), s, StreamsConfig())  # type: ignore[arg-type]
+    assert (await js.stream_info(s.stream_log)).config.subjects == ["vmfence.log.>"]
