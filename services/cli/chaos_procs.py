@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.tasks import cancel_and_wait
+
 NS = "default"
 ROOT = Path(__file__).resolve().parents[2]
 PARTITIONS = 8
@@ -90,6 +92,7 @@ def run_chaos(args: argparse.Namespace) -> int:
         return 130
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()  # the verdict is out even if the interpreter's exit is slow
     else:
         _print_human(result)
     return 0 if result["ok"] else 1
@@ -794,11 +797,7 @@ class ProcessChaos:
             await asyncio.to_thread(oracle.sample)
             ok = True
         finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+            await cancel_and_wait(tasks, what="chaos task")
             self._stop_faults.set()
             result.update(await self.stop_stack())
         result.update(
