@@ -75,6 +75,7 @@ T = TypeVar("T")
 NET_TIMEOUT_S = 5.0  # one NATS request (ack, KV put, consumer create)
 DLQ_SOURCE = "agent"
 NAK_DELAY_S = 1.0  # redelivery delay after a result could not be published
+ACK_RETRY_S = 15.0  # a lost ack is retried this long: otherwise the command waits out ack_wait
 FETCH_ERROR_BACKOFF_S = 1.0
 LOST_REPORTED_S = 600.0  # inventories repeat a VM the runtime lost for this long
 REPORT_RETRY_MAX_S = 5.0  # a runtime event's report is retried at least this often until stored
@@ -485,10 +486,21 @@ class Agent:
                 await msg.in_progress()
 
     async def _ack(self, msg: Msg) -> None:
-        try:
-            await msg.ack_sync(timeout=NET_TIMEOUT_S)
-        except (nats.errors.Error, TimeoutError) as e:
-            log.warning("ack failed (%r): the command will be redelivered and answered from the ledger", e)
+        """A command whose ack is lost (a node or consumer leader away) is redelivered only after
+        ack_wait, and counts as unfinished until then: the ack is retried for a while first."""
+        attempt = 0
+        deadline = asyncio.get_running_loop().time() + min(ACK_RETRY_S, self.config.ack_wait / 2)
+        while True:
+            try:
+                await msg.ack_sync(timeout=NET_TIMEOUT_S)
+                return
+            except (nats.errors.Error, TimeoutError) as e:
+                delay = backoff_delay(attempt)
+                attempt += 1
+                if asyncio.get_running_loop().time() + delay > deadline or await self._sleep(delay):
+                    log.warning("ack failed (%r, %d tries): the command will be redelivered and answered "
+                                "from the ledger", e, attempt, extra={"host": self.config.host})
+                    return
 
     async def _nak(self, msg: Msg) -> None:
         with contextlib.suppress(nats.errors.Error, TimeoutError):

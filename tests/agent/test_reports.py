@@ -16,6 +16,7 @@ from services.cli.busfaults import CALM, BusProxy, Weather
 from shared import bus
 from shared.natsserver import NatsServer
 from shared.schema import CommandResult, Inventoried, ProbeChanged, VMExited, VMGone
+from shared.subjects import Subjects
 
 from .conftest import Reports, command, fence, send, sim_driver
 
@@ -85,3 +86,31 @@ async def test_inventories_repeat_the_last_readiness_published(
         r = await agent.inventory()
         inv = await reports.wait(lambda i: isinstance(i, Inventoried) and i.round == r and i.vm_id == "z-1")
         assert isinstance(inv, Inventoried) and inv.ready is True and inv.fence == f
+
+
+async def test_a_lost_ack_is_retried_instead_of_waiting_out_ack_wait(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig], nats_server: NatsServer,
+) -> None:
+    """A command whose ack is lost (a nats node away) stayed unfinished for a whole ack_wait (60 s)
+    before its redelivery was answered from the ledger; process chaos waited for that to settle."""
+    u = urlparse(nats_server.url)
+    proxy = BusProxy("agent", (u.hostname or "127.0.0.1", u.port or 4222))
+    await proxy.start()
+    try:
+        cfg = make_config(nats_url=proxy.url, ack_wait=60.0)
+        lost_twice = asyncio.Event()
+        proxy.on_fault = lambda component, kind: lost_twice.set() if proxy.counts["ack_lost"] >= 2 else None
+        async with Agent(cfg, driver=sim_driver(cfg)):
+            proxy.set_weather(1, Weather(ack_lost=1.0))
+            c = command("create", "z-1", fence(1))
+            await send(nc, c)
+            await reports.wait(lambda i: isinstance(i, CommandResult) and i.command_id == c.id)
+            await asyncio.wait_for(lost_twice.wait(), 10)  # the ack was sent again
+            proxy.set_weather(1, CALM)
+            js, durable = nc.jetstream(), f"agent-{cfg.host}"
+            deadline = asyncio.get_running_loop().time() + 15.0  # far inside ack_wait
+            while (await js.consumer_info(Subjects().stream_cmd, durable)).num_ack_pending:
+                assert asyncio.get_running_loop().time() < deadline, "the command waited for ack_wait"
+                await asyncio.sleep(0.1)
+    finally:
+        await proxy.stop()
