@@ -29,6 +29,7 @@ from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
 from shared.subjects import DEFAULT_PARTITIONS, Subjects
+from shared.tasks import sleep_unless_set
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +83,17 @@ class Retry:
         self.deadline = time.monotonic() + budget_s
         self.attempt = 0
 
-    async def backoff(self) -> bool:
-        """Sleep before the next try; False (without sleeping) once attempts or budget are spent."""
+    async def backoff(self, stop: asyncio.Event | None = None) -> bool:
+        """Sleep before the next try; False (without sleeping) once attempts or budget are spent,
+        or once ``stop`` is set (it cuts the sleep short)."""
         self.attempt += 1
         remaining = self.deadline - time.monotonic()
         if self.attempt >= self.max_attempts or remaining <= 0:
             return False
-        await asyncio.sleep(min(remaining, backoff_delay(self.attempt - 1)))
+        delay = min(remaining, backoff_delay(self.attempt - 1))
+        if stop is not None:
+            return not await sleep_unless_set(stop, delay)
+        await asyncio.sleep(delay)
         return True
 
 
@@ -317,9 +322,7 @@ async def _ensure_stream_retrying(js: JetStreamContext, want: api.StreamConfig, 
             await _ensure_stream(js, want, partitions)
             return
         except nats.js.errors.APIError as exc:
-            # a cluster that has just started (or is restarting a node) places an R3 stream only
-            # once every peer has reported in, even after its meta leader saw them all
-            if not (_retriable_api_error(exc) or exc.err_code == ERR_NO_SUITABLE_PEERS):
+            if not _retriable_api_error(exc):
                 raise
             last_error: BaseException = exc
         except _TRANSIENT as exc:
@@ -621,7 +624,10 @@ class AppendFailed(Exception):
 
 
 def _retriable_api_error(exc: nats.js.errors.APIError) -> bool:
-    return exc.err_code in ERR_IN_FLIGHT_PROPOSAL or exc.code in RETRIABLE_HTTP_CODES
+    """Transient: another proposal in flight, no leader yet, or a placement a forming cluster (or
+    one restarting a node) refuses until every peer has reported in, even after its meta leader
+    saw them all."""
+    return exc.err_code in (*ERR_IN_FLIGHT_PROPOSAL, ERR_NO_SUITABLE_PEERS) or exc.code in RETRIABLE_HTTP_CODES
 
 
 async def fenced_append(

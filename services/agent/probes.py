@@ -37,8 +37,7 @@ class Prober:
         self.interval = interval
         self.timeout = timeout
         self._kick = asyncio.Event()
-        self._tasks: dict[str, asyncio.Task[None]] = {}  # the one current loop per VM
-        self._running: set[asyncio.Task[None]] = set()  # every loop not yet ended, current or not
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # the one current loop per VM (a replaced one ends itself)
         self._touched: set[str] = set()
         self._probed: dict[str, tuple[Fence, bool]] = {}  # vm_id -> its last readiness, and the fence
 
@@ -82,7 +81,7 @@ class Prober:
                     except TimeoutError:
                         pass
             finally:  # each ended for sure: a TaskGroup cancels only once, and waits for all
-                await cancel_and_wait(self._running, what="probe loop")
+                await cancel_and_wait(list(self._tasks.values()), what="probe loop")
 
     def _sync_one(self, tg: asyncio.TaskGroup, vm_id: str) -> None:
         row = self.ledger.vm(vm_id)
@@ -93,7 +92,7 @@ class Prober:
             del self._tasks[vm_id]
             task = None
         if wanted and task is None:
-            self._start(tg, vm_id)
+            self._tasks[vm_id] = tg.create_task(self._loop(vm_id), name=f"probe-{vm_id}")
 
     def _sync(self, tg: asyncio.TaskGroup) -> None:
         want = {r.vm_id for r in self.ledger.vms() if r.state in PROBED_STATES}
@@ -102,13 +101,7 @@ class Prober:
                 task.cancel()
                 del self._tasks[vm_id]
         for vm_id in want - self._tasks.keys():
-            self._start(tg, vm_id)
-
-    def _start(self, tg: asyncio.TaskGroup, vm_id: str) -> None:
-        task = tg.create_task(self._loop(vm_id), name=f"probe-{vm_id}")
-        self._tasks[vm_id] = task
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
+            self._tasks[vm_id] = tg.create_task(self._loop(vm_id), name=f"probe-{vm_id}")
 
     async def _loop(self, vm_id: str) -> None:
         """Probe until the VM stops being probed or this loop is replaced. A replaced loop was

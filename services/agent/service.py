@@ -52,7 +52,7 @@ from services.agent.runtime import (
     make_driver,
 )
 from services.agent.runtime.base import VM_ID_RE
-from shared.bus import AppendFailed, Bus, StreamsConfig, backoff_delay, dead_letter, provision, publish_input
+from shared.bus import AppendFailed, Bus, Retry, StreamsConfig, backoff_delay, dead_letter, provision, publish_input
 from shared.schema import (
     SCHEMA_VERSION,
     Command,
@@ -488,18 +488,15 @@ class Agent:
     async def _ack(self, msg: Msg) -> None:
         """A command whose ack is lost (a node or consumer leader away) is redelivered only after
         ack_wait, and counts as unfinished until then: the ack is retried for a while first."""
-        attempt = 0
-        deadline = asyncio.get_running_loop().time() + min(ACK_RETRY_S, self.config.ack_wait / 2)
+        retry = Retry(budget_s=min(ACK_RETRY_S, self.config.ack_wait / 2))
         while True:
             try:
                 await msg.ack_sync(timeout=NET_TIMEOUT_S)
                 return
             except (nats.errors.Error, TimeoutError) as e:
-                delay = backoff_delay(attempt)
-                attempt += 1
-                if asyncio.get_running_loop().time() + delay > deadline or await self._sleep(delay):
+                if not await retry.backoff(stop=self._stopping):
                     log.warning("ack failed (%r, %d tries): the command will be redelivered and answered "
-                                "from the ledger", e, attempt, extra={"host": self.config.host})
+                                "from the ledger", e, retry.attempt, extra={"host": self.config.host})
                     return
 
     async def _nak(self, msg: Msg) -> None:
