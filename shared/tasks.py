@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Coroutine, Iterable
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RECANCEL_AFTER_S = 2.0  # long enough for a task's own cleanup (its finally) after the first one
 CANCEL_ATTEMPTS = 10
@@ -110,3 +111,12 @@ async def sleep_unless_set(event: asyncio.Event, seconds: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+def run_main(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a command's coroutine to completion on uvloop where it is installed, else asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)

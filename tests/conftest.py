@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from nats.js import JetStreamContext
 
-from shared.bus import connect
-from shared.natsserver import NatsServer, nats_server_binary, start_nats
+from services.testbed.natsserver import NatsServer, nats_server_binary, start_nats
+from shared.bus.connect import connect
 from shared.tasks import await_chain
 
 

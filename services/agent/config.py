@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from shared.subjects import DEFAULT_PARTITIONS, DEFAULT_PREFIX
+from shared.fence.keys import DEFAULT_PARTITIONS
+from shared.subjects import DEFAULT_PREFIX
 
 HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")  # one subject token, durable and KV key
 PREFIX_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")

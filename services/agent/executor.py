@@ -31,7 +31,7 @@ from services.agent.runtime import (
     VMInfo,
     VMSpec,
 )
-from shared.schema import NO_INCARNATION, Command, CommandResult, Fence, Inventoried, Spec
+from shared.fence.schema import NO_INCARNATION, Command, CommandResult, Fence, Inventoried, Spec
 
 log = logging.getLogger("vmfence.agent.executor")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import aiosqlite
 import msgspec
 
-from shared.schema import CommandResult, Fence, Spec, decode_input, encode
+from shared.fence.schema import CommandResult, Fence, Spec, decode_input, encode
 
 log = logging.getLogger("vmfence.agent.ledger")
 

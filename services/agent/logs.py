@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.fence.schema import Command, Fence
 from shared.logs import setup_logging as _setup
-from shared.schema import Command, Fence
 
 
 def setup_logging(level: str = "INFO") -> None:

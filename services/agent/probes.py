@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from services.agent.ledger import Ledger
 from services.agent.logs import fence_fields
 from services.agent.runtime import Inconclusive, RuntimeDriver, RuntimeFailure
-from shared.schema import Fence, ProbeChanged
+from shared.fence.schema import Fence, ProbeChanged
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger("vmfence.agent.probes")

@@ -52,8 +52,13 @@ from services.agent.runtime import (
     make_driver,
 )
 from services.agent.runtime.base import VM_ID_RE
-from shared.bus import AppendFailed, Bus, Retry, StreamsConfig, backoff_delay, dead_letter, provision, publish_input
-from shared.schema import (
+from shared.bus.append import AppendFailed, publish_input
+from shared.bus.connect import Bus
+from shared.bus.deadletter import dead_letter
+from shared.bus.provision import StreamsConfig, provision
+from shared.bus.retry import Retry, backoff_delay
+from shared.fence.keys import Key, encode_token
+from shared.fence.schema import (
     SCHEMA_VERSION,
     Command,
     Fence,
@@ -65,7 +70,7 @@ from shared.schema import (
     decode_command,
     encode,
 )
-from shared.subjects import Key, Subjects, encode_token
+from shared.subjects import Subjects
 from shared.tasks import cancel_and_wait, end_within, run_within, sleep_unless_set
 
 log = logging.getLogger("vmfence.agent")

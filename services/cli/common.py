@@ -7,8 +7,9 @@ import os
 import sys
 from dataclasses import dataclass
 
-from shared.bus import Bus
-from shared.subjects import DEFAULT_PARTITIONS, DEFAULT_PREFIX, Subjects
+from shared.bus.connect import Bus
+from shared.fence.keys import DEFAULT_PARTITIONS
+from shared.subjects import DEFAULT_PREFIX, Subjects
 
 STACK_FILE = os.path.join(".vmfence", "stack.json")
 

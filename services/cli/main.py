@@ -1,13 +1,18 @@
-"""The `vmfence` command: services, stacks, audits and benchmarks behind one entry point."""
+"""The `vmfence` command: services, the operator's commands, and whatever command groups installed
+packages register (the test bench's demo, up, chaos and bench)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import sys
 from collections.abc import Callable
+from importlib.metadata import entry_points
 
+from services.cli import decisions, replay, status
 from services.cli.common import CliError, eprint
+from shared.tasks import run_main
 
 SERVICES: dict[str, str] = {
     "reconciler": "services.reconciler.service",
@@ -15,12 +20,11 @@ SERVICES: dict[str, str] = {
     "watcher": "services.watcher.service",
     "apiserver": "services.apiserver.server",
 }
+COMMAND_GROUP = "vmfence.commands"  # entry points: a callable add_parsers(subparsers)
 
 
 def _service_main(module: str) -> Callable[[list[str]], int]:
     def run(argv: list[str]) -> int:
-        import importlib
-
         mod = importlib.import_module(module)
         return int(mod.main(argv))
 
@@ -28,14 +32,15 @@ def _service_main(module: str) -> Callable[[list[str]], int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.cli import logcmds, stackcmds
-
     parser = argparse.ArgumentParser(prog="vmfence", description=__doc__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SERVICES:
         sub.add_parser(name, help=f"run the {name} service (flags: vmfence {name} --help)", add_help=False)
-    logcmds.add_parsers(sub)
-    stackcmds.add_parsers(sub)
+    replay.add_parsers(sub)
+    decisions.add_parsers(sub)
+    status.add_parser(sub)
+    for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        ep.load()(sub)
     return parser
 
 
@@ -51,22 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = args.run(args)
         if asyncio.iscoroutine(result):
-            result = _run_async(result)
+            result = run_main(result)
         return int(result)
     except CliError as exc:
         eprint(f"vmfence {args.command}: {exc}")
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-def _run_async(coro):  # type: ignore[no-untyped-def]
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
 
 
 if __name__ == "__main__":

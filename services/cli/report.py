@@ -10,10 +10,10 @@ from __future__ import annotations
 import html
 from collections import defaultdict
 
-from services.cli.logcmds import describe
-from shared.audit import AuditReport, Violation
-from shared.decisions import Record
-from shared.schema import (
+from services.cli.decisions import describe
+from shared.bus.logstream import Record
+from shared.fence.audit import AuditReport, Violation
+from shared.fence.schema import (
     Admitted,
     Adopted,
     Bound,

@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from services.cli.common import load_stack, open_bus
-from shared.bus import LeaseValue
-from shared.schema import HostHeartbeat
+from shared.bus.leases import LeaseValue
+from shared.fence.schema import HostHeartbeat
 
 MEMBER_PREFIX = "member."
 

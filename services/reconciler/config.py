@@ -8,7 +8,8 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
-from shared.subjects import DEFAULT_PARTITIONS, DEFAULT_PREFIX
+from shared.fence.keys import DEFAULT_PARTITIONS
+from shared.subjects import DEFAULT_PREFIX
 
 
 class ConfigError(Exception):

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 from nats.js import JetStreamContext
 
+from services.reconciler import metrics
 from services.reconciler.kube import KubeGateway
-from shared import metrics
-from shared.bus import publish_input
-from shared.schema import (
+from shared.bus.append import publish_input
+from shared.fence.keys import Key
+from shared.fence.schema import (
     Commanded,
     ConfirmRequested,
     Input,
@@ -30,8 +31,8 @@ from shared.schema import (
     WriteRequested,
     encode,
 )
-from shared.state import Effect
-from shared.subjects import Key, Subjects
+from shared.fence.state import Effect
+from shared.subjects import Subjects
 from shared.tasks import join
 
 log = logging.getLogger(__name__)

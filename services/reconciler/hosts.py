@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import msgspec
 from nats.js.kv import KeyValue
 
-from shared.decide import HostView
-from shared.schema import HostHeartbeat
+from shared.fence.decide import HostView
+from shared.fence.schema import HostHeartbeat
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import asyncio
 import zlib
 from dataclasses import dataclass
 
-from shared.schema import Fence, PodStatusIntent, Spec
-from shared.state import Incarnation, KeyState, VMRec, decode_state, encode_state
+from shared.fence.schema import Fence, PodStatusIntent, Spec
+from shared.fence.state import Incarnation, KeyState, VMRec, decode_state, encode_state
 
 
 def _typical_state() -> KeyState:

@@ -46,9 +46,9 @@ import aiohttp
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from shared.schema import ConfirmedRead, Fence, KubeWrite, PodStatusIntent, Spec, WriteDone
-from shared.spec import VM_GROUP, VM_PLURAL, VM_VERSION, spec_of_pod, spec_of_vm
-from shared.subjects import Key
+from shared.fence.keys import Key
+from shared.fence.podspec import VM_GROUP, VM_PLURAL, VM_VERSION, spec_of_pod, spec_of_vm
+from shared.fence.schema import ConfirmedRead, Fence, KubeWrite, PodStatusIntent, Spec, WriteDone
 
 log = logging.getLogger(__name__)
 

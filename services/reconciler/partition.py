@@ -20,13 +20,16 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
+from services.reconciler import metrics
 from services.reconciler.effects import EffectRunner
 from services.reconciler.keytable import KeySlot
 from services.reconciler.snapshot import SnapshotStore
-from shared import metrics
-from shared.bus import LostRace, dead_letter, fenced_append, last_on_subject, read_stream, read_subject
-from shared.decide import DecideEnv, decide, rebuild
-from shared.schema import (
+from shared.bus.append import LostRace, fenced_append
+from shared.bus.deadletter import dead_letter
+from shared.bus.read import last_on_subject, read_stream, read_subject
+from shared.fence.decide import DecideEnv, decide, rebuild
+from shared.fence.keys import Key
+from shared.fence.schema import (
     Commanded,
     ConfirmedRead,
     ConfirmRequested,
@@ -46,8 +49,8 @@ from shared.schema import (
     encode,
     entry_msg_id,
 )
-from shared.state import Effect, KeyState, decode_state, encode_state, fold_all
-from shared.subjects import Key, Subjects
+from shared.fence.state import Effect, KeyState, decode_state, encode_state, fold_all
+from shared.subjects import Subjects
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)

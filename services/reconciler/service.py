@@ -22,18 +22,21 @@ import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
+from services.reconciler import metrics
 from services.reconciler.config import ConfigError, ReconcilerConfig, parse
 from services.reconciler.effects import EffectRunner
 from services.reconciler.hosts import HostsView
 from services.reconciler.kube import KubeGateway
 from services.reconciler.partition import Partition
 from services.reconciler.snapshot import SnapshotStore
-from shared import metrics
-from shared.bus import Bus, LeaseLost, PartitionLease, ProvisionFailed, StreamsConfig, backoff_delay, provision
-from shared.decide import DecideEnv
+from shared.bus.connect import Bus
+from shared.bus.leases import LeaseLost, PartitionLease
+from shared.bus.provision import ProvisionFailed, StreamsConfig, provision
+from shared.bus.retry import backoff_delay
+from shared.fence.decide import DecideEnv
+from shared.fence.schema import Input
 from shared.httpserve import HealthServer
 from shared.logs import setup_logging
-from shared.schema import Input
 from shared.subjects import Subjects
 from shared.tasks import cancel_and_wait, sleep_unless_set
 

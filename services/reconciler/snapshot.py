@@ -11,7 +11,7 @@ import os
 
 import aiosqlite
 
-from shared.state import KeyState, decode_state
+from shared.fence.state import KeyState, decode_state
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS keys (
@@ -63,7 +63,7 @@ class SnapshotStore:
         return watermark, keys
 
     async def save(self, partition: int, rows: list[tuple[str, int, bytes]], watermark: int) -> None:
-        """Rows carry encoded states (shared.state.encode_state), taken at one instant with
+        """Rows carry encoded states (shared.fence.state.encode_state), taken at one instant with
         ``watermark``."""
         await self.db.executemany(
             "INSERT OR REPLACE INTO keys(key, partition, last_seq, state) VALUES(?, ?, ?, ?)",

@@ -36,10 +36,12 @@ from dataclasses import dataclass, field
 
 from kubernetes_asyncio import client, config
 
-from shared.bus import META_PARTITIONS, Bus
+from shared.bus.connect import Bus
+from shared.bus.wire import META_PARTITIONS
+from shared.fence.keys import DEFAULT_PARTITIONS
 from shared.httpserve import HealthServer
 from shared.logs import setup_logging
-from shared.subjects import DEFAULT_PARTITIONS, DEFAULT_PREFIX, Subjects
+from shared.subjects import DEFAULT_PREFIX, Subjects
 
 from .watch import WATCH_TIMEOUT_S, Watcher
 

@@ -24,7 +24,7 @@ resourceVersion (typically the reconciler's own status write) is not published
 (``skip_unchanged``, counted as ``UNCHANGED``); a relist publishes everything regardless.
 
 Pods are vmfence's when ``spec.nodeName`` starts with ``vmfence-`` or they carry the label
-``vmfence.io/managed=true`` (see :mod:`shared.spec`). Kubernetes selectors cannot express that OR,
+``vmfence.io/managed=true`` (see :mod:`shared.fence.podspec`). Kubernetes selectors cannot express that OR,
 so pods are watched without a selector and filtered here. A pod that was ours and stops matching
 (label removed) is still followed by uid until it is deleted.
 """
@@ -47,9 +47,9 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from nats.js import JetStreamContext
 from prometheus_client import Counter
 
-from shared.bus import publish_input
-from shared.schema import Observed, encode
-from shared.spec import (
+from shared.bus.append import publish_input
+from shared.fence.keys import Key
+from shared.fence.podspec import (
     VM_GROUP,
     VM_PLURAL,
     VM_VERSION,
@@ -59,7 +59,8 @@ from shared.spec import (
     uid_of,
     vm_observation,
 )
-from shared.subjects import Key, Subjects
+from shared.fence.schema import Observed, encode
+from shared.subjects import Subjects
 from shared.tasks import cancel_and_wait, sleep_unless_set
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,10 @@ from nats.aio.msg import Msg
 
 from services.agent.config import AgentConfig
 from services.agent.runtime.sim import SimDriver
-from shared.bus import StreamsConfig, connect, provision
-from shared.natsserver import NatsServer
-from shared.schema import Command, Fence, Input, Spec, decode_input, encode
+from services.testbed.natsserver import NatsServer
+from shared.bus.connect import connect
+from shared.bus.provision import StreamsConfig, provision
+from shared.fence.schema import Command, Fence, Input, Spec, decode_input, encode
 from shared.subjects import Subjects
 
 HOST = "h1"

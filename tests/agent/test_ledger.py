@@ -8,7 +8,7 @@ import pytest
 
 from services.agent.executor import fence_verdict
 from services.agent.ledger import Ledger, ReservationConflict, VMRow
-from shared.schema import CommandResult, Spec
+from shared.fence.schema import CommandResult, Spec
 
 from .conftest import fence
 

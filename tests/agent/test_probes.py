@@ -17,7 +17,7 @@ import pytest
 from services.agent.ledger import Ledger, VMRow
 from services.agent.probes import Prober
 from services.agent.runtime import RuntimeDriver, VMSpec, make_driver
-from shared.schema import ProbeChanged, Spec
+from shared.fence.schema import ProbeChanged, Spec
 from shared.tasks import cancel_and_wait
 
 from .conftest import fence

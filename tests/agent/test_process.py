@@ -16,8 +16,8 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
-from shared.natsserver import NatsServer
-from shared.schema import CommandResult, Inventoried
+from services.testbed.natsserver import NatsServer
+from shared.fence.schema import CommandResult, Inventoried
 
 from .conftest import HOST, Reports, command, fence, send
 

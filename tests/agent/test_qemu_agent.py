@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
-from shared.natsserver import NatsServer
-from shared.schema import CommandResult
+from services.testbed.natsserver import NatsServer
+from shared.fence.schema import CommandResult
 
 from .conftest import Reports, command, fence, send
 from .test_process import agent_args, agent_process

@@ -12,10 +12,10 @@ from nats.aio.client import Client
 
 from services.agent.config import AgentConfig
 from services.agent.service import Agent
-from services.cli.busfaults import CALM, BusProxy, Weather
-from shared import bus
-from shared.natsserver import NatsServer
-from shared.schema import CommandResult, Inventoried, ProbeChanged, VMExited, VMGone
+from services.testbed.chaos.busfaults import CALM, BusProxy, Weather
+from services.testbed.natsserver import NatsServer
+from shared.bus import retry as bus_retry
+from shared.fence.schema import CommandResult, Inventoried, ProbeChanged, VMExited, VMGone
 from shared.subjects import Subjects
 
 from .conftest import Reports, command, fence, send, sim_driver
@@ -36,7 +36,7 @@ async def test_an_exit_report_is_retried_until_stored_across_lost_publishes(
             c = command("create", "x-1", f)
             await send(nc, c)
             await reports.wait(lambda i: isinstance(i, CommandResult) and i.command_id == c.id)
-            monkeypatch.setattr(bus.Retry.__init__, "__defaults__", (2, 0.2))  # one publish gives up fast
+            monkeypatch.setattr(bus_retry.Retry.__init__, "__defaults__", (2, 0.2))  # one publish gives up fast
             retried = asyncio.Event()  # a second publish of the report: the first one gave up
             proxy.on_fault = lambda component, kind: retried.set() if proxy.counts["publish_lost"] >= 2 else None
             proxy.set_weather(1, Weather(publish_lost=1.0))  # no publish is stored

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from nats.js import JetStreamContext
 
-from shared.bus import StreamsConfig, provision
+from shared.bus.provision import StreamsConfig, provision
 from shared.subjects import Subjects
 
 LEASE_TTL_S = 1.5

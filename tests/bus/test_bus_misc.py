@@ -8,16 +8,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 from nats.js import JetStreamContext
 
-from shared import bus
-from shared.bus import Bus, Retry, StreamsConfig, backoff_delay, fenced_append, provision
-from shared.natsserver import NatsServer
-from shared.subjects import Key, Subjects
+from services.testbed.natsserver import NatsServer
+from shared.bus.append import fenced_append
+from shared.bus.connect import Bus
+from shared.bus.provision import StreamsConfig, provision
+from shared.bus.read import _reply_seqs
+from shared.bus.retry import BACKOFF_MAX_S, Retry, backoff_delay
+from shared.fence.keys import Key
+from shared.subjects import Subjects
 
 
 @given(st.integers(min_value=0, max_value=10_000))
 def test_backoff_delay_bounded(attempt: int) -> None:
     d = backoff_delay(attempt)
-    assert 0 < d <= bus.BACKOFF_MAX_S
+    assert 0 < d <= BACKOFF_MAX_S
 
 
 async def test_retry_respects_attempts_and_budget() -> None:
@@ -42,7 +46,7 @@ def test_reply_seqs(seq: int, pending: int, layout: str) -> None:
         reply = f"$JS.ACK._.ACCHASH.VMFENCE_IN.c1.1.{seq}.{pending + 1}.1700000000000000000.{pending}"
         if layout == "v2r":
             reply += ".rnd"
-    assert bus._reply_seqs(reply) == (seq, pending + 1)  # stream and consumer sequence
+    assert _reply_seqs(reply) == (seq, pending + 1)  # stream and consumer sequence
 
 
 async def test_bus_open_close(nats_server: NatsServer) -> None:

@@ -12,11 +12,16 @@ from urllib.parse import urlparse
 import pytest
 from nats.js import JetStreamContext
 
-from services.cli.busfaults import BusProxy, Weather
-from shared import bus
-from shared.bus import Bus, StreamsConfig, provision, publish_input, read_stream
-from shared.natsserver import NatsServer
-from shared.subjects import Key, Subjects
+from services.testbed.chaos.busfaults import BusProxy, Weather
+from services.testbed.natsserver import NatsServer
+from shared.bus import read as bus_read
+from shared.bus import retry as bus_retry
+from shared.bus.append import publish_input
+from shared.bus.connect import Bus
+from shared.bus.provision import StreamsConfig, provision
+from shared.bus.read import read_stream
+from shared.fence.keys import Key
+from shared.subjects import Subjects
 
 IN = "VMFENCE_IN"
 FAULTED: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)  # fault kind -> it happened
@@ -63,8 +68,8 @@ async def test_a_read_whose_last_deliveries_are_lost_still_ends_with_every_messa
     last ones of a read have none after them: their pull request expires unfilled, and the
     consumer's own count of deliveries shows they were sent (it hung, re-pulling forever)."""
     await _fill(through.js, through.subjects, 12)
-    monkeypatch.setattr(bus, "READ_TIMEOUT_S", 0.5)  # pull expiries come sooner
-    monkeypatch.setattr(bus.Retry.__init__, "__defaults__", (200, 60.0))
+    monkeypatch.setattr(bus_read, "READ_TIMEOUT_S", 0.5)  # pull expiries come sooner
+    monkeypatch.setattr(bus_retry.Retry.__init__, "__defaults__", (200, 60.0))
     proxy.set_weather(3, Weather(delivery_lost=0.5))
     got = [m.seq async for m in read_stream(through.js, IN, batch=4)]
     assert got == list(range(1, 13))
@@ -77,7 +82,7 @@ async def test_a_long_read_that_loses_deliveries_late_still_yields_every_message
     """The gap-restart budget is per stretch without progress, not per read: a replay that runs
     longer than one budget and then meets a gap reads on."""
     await _fill(through.js, through.subjects, 200)
-    monkeypatch.setattr(bus.Retry.__init__, "__defaults__", (60, 0.2))
+    monkeypatch.setattr(bus_retry.Retry.__init__, "__defaults__", (60, 0.2))
     proxy.set_weather(4, Weather(delivery_lost=0.03))
     got = []
     async for m in read_stream(through.js, IN, batch=16):

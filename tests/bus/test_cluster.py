@@ -8,19 +8,14 @@ from collections.abc import AsyncIterator
 import pytest
 from nats.aio.client import Client
 
-from shared.bus import (
-    H_EXPECTED_LAST_SUBJECT_SEQ,
-    H_MSG_ID,
-    LostRace,
-    StreamsConfig,
-    connect,
-    fenced_append,
-    provision,
-    read_stream,
-    read_subject,
-)
-from shared.natsserver import NatsCluster, start_cluster
-from shared.subjects import Key, Subjects
+from services.testbed.natsserver import NatsCluster, start_cluster
+from shared.bus.append import LostRace, fenced_append
+from shared.bus.connect import connect
+from shared.bus.provision import StreamsConfig, provision
+from shared.bus.read import read_stream, read_subject
+from shared.bus.wire import H_EXPECTED_LAST_SUBJECT_SEQ, H_MSG_ID
+from shared.fence.keys import Key
+from shared.subjects import Subjects
 
 LOG = "VMFENCE_LOG"
 PHASE_TIMEOUT_S = 30.0  # each phase of the fault run must make progress within this

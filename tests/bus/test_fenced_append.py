@@ -8,17 +8,13 @@ import random
 import pytest
 from nats.js import JetStreamContext
 
-from shared.bus import (
-    H_MSG_ID,
-    LostRace,
-    connect,
-    dead_letter,
-    fenced_append,
-    last_on_subject,
-    publish_input,
-    read_subject,
-)
-from shared.subjects import Key, Subjects
+from shared.bus.append import LostRace, fenced_append, publish_input
+from shared.bus.connect import connect
+from shared.bus.deadletter import dead_letter
+from shared.bus.read import last_on_subject, read_subject
+from shared.bus.wire import H_MSG_ID
+from shared.fence.keys import Key
+from shared.subjects import Subjects
 
 LOG = "VMFENCE_LOG"
 
@@ -101,7 +97,7 @@ async def test_old_retry_under_newer_entry_is_lost_race(
 
 async def test_concurrent_writers_exactly_one_wins(nats_url: str, subjects: Subjects) -> None:
     """Many rounds of 2-4 writers on separate connections racing on one expected sequence."""
-    from shared.bus import StreamsConfig, provision
+    from shared.bus.provision import StreamsConfig, provision
 
     clients = [await connect(nats_url, name=f"w{i}", max_reconnect_attempts=2) for i in range(4)]
     try:
@@ -144,7 +140,7 @@ async def test_concurrent_writers_exactly_one_wins(nats_url: str, subjects: Subj
 
 async def test_rule1_writers_never_fork(nats_url: str, subjects: Subjects) -> None:
     """Two writers that both think they own the key: lost race → re-read → retry. No fork."""
-    from shared.bus import StreamsConfig, provision
+    from shared.bus.provision import StreamsConfig, provision
 
     clients = [await connect(nats_url, name=f"o{i}", max_reconnect_attempts=2) for i in range(2)]
     try:

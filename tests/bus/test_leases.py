@@ -9,7 +9,7 @@ import pytest
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from shared.bus import LeaseLost, PartitionLease
+from shared.bus.leases import LeaseLost, PartitionLease
 from shared.subjects import Subjects
 
 from .conftest import LEASE_TTL_S

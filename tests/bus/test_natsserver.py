@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from shared.bus import connect
-from shared.natsserver import NatsServer, NatsServerError, free_port, nats_server_binary, start_nats
+from services.testbed.natsserver import NatsServer, NatsServerError, free_port, nats_server_binary, start_nats
+from shared.bus.connect import connect
 
 
 def isdir(path: str) -> bool:

@@ -11,7 +11,9 @@ import pytest
 from nats.js import JetStreamContext, api
 from nats.js.errors import BadRequestError
 
-from shared.bus import META_PARTITIONS, PartitionMismatch, StreamsConfig, connect, provision
+from shared.bus.connect import connect
+from shared.bus.provision import PartitionMismatch, StreamsConfig, provision
+from shared.bus.wire import META_PARTITIONS
 from shared.subjects import Subjects
 
 
@@ -96,7 +98,8 @@ async def test_custom_prefix(js: JetStreamContext) -> None:
 
 PROVISION_SCRIPT = """
 import asyncio, sys
-from shared.bus import StreamsConfig, connect, provision
+from shared.bus.connect import connect
+from shared.bus.provision import StreamsConfig, provision
 from shared.subjects import Subjects
 
 async def main() -> None:

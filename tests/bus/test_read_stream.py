@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from nats.js import JetStreamContext
 
-from shared import bus
-from shared.bus import read_stream, read_subject
+from shared.bus import read as bus_read
+from shared.bus.read import read_stream, read_subject
 from shared.subjects import Subjects
 
 IN = "VMFENCE_IN"
@@ -115,7 +115,7 @@ async def test_tail_removed_while_reading(
     provisioned: JetStreamContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Messages deleted after the call started are skipped and the read still ends."""
-    monkeypatch.setattr(bus, "READ_TIMEOUT_S", 0.5)  # short pull expiry: any 408 path runs fast
+    monkeypatch.setattr(bus_read, "READ_TIMEOUT_S", 0.5)  # short pull expiry: any 408 path runs fast
     js = provisioned
     await fill(js, ["vmfence.in.0.pod.a.b"], 100)
     got = []

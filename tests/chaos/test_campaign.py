@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.chaos_sim import FAULTS, campaign, run_seed
-from services.cli.chaos_world import World
-from shared.schema import Rebuilt, Spec
+from services.testbed.chaos.seeds import FAULTS, campaign, run_seed
+from services.testbed.world import World
+from shared.fence.schema import Rebuilt, Spec
 
 ROOT = Path(__file__).resolve().parents[2]
 

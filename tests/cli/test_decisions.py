@@ -8,9 +8,9 @@ import contextlib
 import json
 from pathlib import Path
 
-from shared.bus import Bus
-from shared.decisions import Filter, follow_log
-from shared.natsserver import NatsServer
+from services.testbed.natsserver import NatsServer
+from shared.bus.connect import Bus
+from shared.bus.logstream import Filter, follow_log
 from shared.subjects import Subjects
 from tests.cli.test_replay import _make_log, vmfence
 

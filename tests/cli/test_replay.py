@@ -14,11 +14,13 @@ import msgspec
 from services.reconciler.config import ReconcilerConfig
 from services.reconciler.kube import NullGateway
 from services.reconciler.service import Reconciler
-from shared.bus import Bus, StreamsConfig, provision
-from shared.decisions import EXPORT_MAGIC, Record, encode_record, iter_export
-from shared.natsserver import NatsServer
-from shared.schema import Bound, Fence, LogEntry, Spec
-from shared.subjects import Key, Subjects
+from services.testbed.natsserver import NatsServer
+from shared.bus.connect import Bus
+from shared.bus.logstream import EXPORT_MAGIC, Record, encode_record, iter_export
+from shared.bus.provision import StreamsConfig, provision
+from shared.fence.keys import Key
+from shared.fence.schema import Bound, Fence, LogEntry, Spec
+from shared.subjects import Subjects
 from tests.reconciler.helpers import observe, sim_agent, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

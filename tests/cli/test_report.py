@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.cli.logcmds import audit_records
 from services.cli.report import write_html
-from shared.decisions import Record
-from shared.schema import Bound, Commanded, Fence, LogEntry
+from shared.bus.logstream import Record, audit_records
+from shared.fence.schema import Bound, Commanded, Fence, LogEntry
 from tests.unit.driver import Driver
 
 

@@ -162,7 +162,7 @@ async def _provision(url: str) -> None:
     try:
         js = nc.jetstream()
         try:
-            from shared.bus import StreamsConfig, provision
+            from shared.bus.provision import StreamsConfig, provision
             from shared.subjects import Subjects
         except ImportError:
             await js.add_stream(StreamConfig(name="VMFENCE_IN", subjects=["vmfence.in.>"]))
@@ -421,9 +421,13 @@ async def test_audit_reads_the_log_but_writes_nothing(nats_url: str) -> None:
 
 
 async def test_project_bus_helpers_work_under_each_users_permissions(nats_url: str) -> None:
-    """The project's own bus code (shared.bus), run as the user of the service that uses it."""
-    bus = pytest.importorskip("shared.bus")
-    from shared.subjects import Key, Subjects
+    """The project's own bus code (shared.bus.*), run as the user of the service that uses it."""
+    from shared.bus.append import fenced_append, publish_input
+    from shared.bus.deadletter import dead_letter
+    from shared.bus.leases import PartitionLease
+    from shared.bus.read import last_on_subject, read_stream, read_subject
+    from shared.fence.keys import Key
+    from shared.subjects import Subjects
 
     subjects = Subjects()
     key = Key("pod", "default", "web.1")
@@ -434,15 +438,15 @@ async def test_project_bus_helpers_work_under_each_users_permissions(nats_url: s
     try:
         # watcher: observation and a dead letter
         wjs = watcher.nc.jetstream(timeout=2)
-        await bus.publish_input(wjs, subjects.observation(key), b"pod", msg_id="uid-9:1")
-        await bus.dead_letter(wjs, subjects, source="watcher", reason="undecodable", subject="x", data=b"?")
+        await publish_input(wjs, subjects.observation(key), b"pod", msg_id="uid-9:1")
+        await dead_letter(wjs, subjects, source="watcher", reason="undecodable", subject="x", data=b"?")
         # agent: a report
         ajs = agent.nc.jetstream(timeout=2)
-        await bus.publish_input(ajs, subjects.report(key), b"started", msg_id="cmd-1:result")
+        await publish_input(ajs, subjects.report(key), b"started", msg_id="cmd-1:result")
         # reconciler: fenced appends, reads, leases
         rjs = rec.nc.jetstream(timeout=2)
         log_subject = subjects.log(key)
-        seq1 = await bus.fenced_append(
+        seq1 = await fenced_append(
             rjs,
             log_subject,
             b"Admitted",
@@ -450,7 +454,7 @@ async def test_project_bus_helpers_work_under_each_users_permissions(nats_url: s
             msg_id="r1:1",
             stream=subjects.stream_log,
         )
-        await bus.fenced_append(
+        await fenced_append(
             rjs,
             log_subject,
             b"Placed",
@@ -458,21 +462,21 @@ async def test_project_bus_helpers_work_under_each_users_permissions(nats_url: s
             msg_id="r1:2",
             stream=subjects.stream_log,
         )
-        last = await bus.last_on_subject(rjs, subjects.stream_log, log_subject)
+        last = await last_on_subject(rjs, subjects.stream_log, log_subject)
         assert last is not None and last.data == b"Placed"
-        assert [m.data async for m in bus.read_subject(rjs, subjects.stream_log, log_subject)] == [
+        assert [m.data async for m in read_subject(rjs, subjects.stream_log, log_subject)] == [
             b"Admitted",
             b"Placed",
         ]
-        assert b"Placed" in [m.data async for m in bus.read_stream(rjs, subjects.stream_log)]
-        lease = bus.PartitionLease(await rjs.key_value(subjects.kv_leases), 9, "reconciler-1")
+        assert b"Placed" in [m.data async for m in read_stream(rjs, subjects.stream_log)]
+        lease = PartitionLease(await rjs.key_value(subjects.kv_leases), 9, "reconciler-1")
         rev = await lease.acquire()
         assert rev is not None
         rev = await lease.renew(rev)
         assert await lease.release(rev)
         # audit: the whole log, read only
         xjs = audit.nc.jetstream(timeout=2)
-        assert b"Placed" in [m.data async for m in bus.read_stream(xjs, subjects.stream_log)]
+        assert b"Placed" in [m.data async for m in read_stream(xjs, subjects.stream_log)]
         for c in (rec, watcher, agent, audit):
             assert not c.violations(), c.errors
     finally:

@@ -210,8 +210,8 @@ def test_operations_md_documents_every_metric() -> None:
 
 
 def test_metric_table_matches_the_projects_definitions() -> None:
-    """Metrics the project defines in shared.metrics have the names, types and labels assumed here."""
-    metrics = pytest.importorskip("shared.metrics")
+    """Metrics the project defines in services.reconciler.metrics have the names, types and labels assumed here."""
+    metrics = pytest.importorskip("services.reconciler.metrics")
     from prometheus_client.metrics import MetricWrapperBase
 
     seen = 0
@@ -225,4 +225,4 @@ def test_metric_table_matches_the_projects_definitions() -> None:
         seen += 1
         assert desc.type == METRICS[name], f"{name}: {desc.type}, the dashboards assume {METRICS[name]}"
         assert set(obj._labelnames) == LABELS.get(name, set()), f"{name}: labels {obj._labelnames}"
-    assert seen, "shared.metrics defines none of the metrics"
+    assert seen, "services.reconciler.metrics defines none of the metrics"

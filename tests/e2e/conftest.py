@@ -15,10 +15,9 @@ import pytest
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from services.cli.logcmds import audit_records
-from services.cli.stack import LocalStack
-from shared.audit import AuditReport
-from shared.decisions import Record, read_log
+from services.testbed.stack import LocalStack
+from shared.bus.logstream import Record, audit_records, read_log
+from shared.fence.audit import AuditReport
 from shared.tasks import cancel_and_wait
 
 NS = "default"

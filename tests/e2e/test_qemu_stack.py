@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.schema import Bound, Commanded
+from shared.fence.schema import Bound, Commanded
 from tests.e2e.conftest import NS, Env, running_env
 
 pytestmark = [

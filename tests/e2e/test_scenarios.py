@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from shared.schema import Commanded, Done, EvictionDeferred, EvictionRequested
+from shared.fence.schema import Commanded, Done, EvictionDeferred, EvictionRequested
 from tests.e2e.conftest import NS, Env
 
 KUBECTL = Path(__file__).resolve().parents[2] / ".venv" / "tools" / "kubectl"

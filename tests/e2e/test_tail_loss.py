@@ -14,9 +14,10 @@ import signal
 
 import pytest
 
-from shared.bus import PartitionLease, read_subject
-from shared.schema import Admitted, Commanded, Fence, LogEntry, Rebuilt, decision_name, decode_entry
-from shared.subjects import Key, partition_of
+from shared.bus.leases import PartitionLease
+from shared.bus.read import read_subject
+from shared.fence.keys import Key, partition_of
+from shared.fence.schema import Admitted, Commanded, Fence, LogEntry, Rebuilt, decision_name, decode_entry
 from tests.e2e.conftest import NS, Env
 
 STOP_S = 20.0

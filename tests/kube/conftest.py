@@ -17,8 +17,9 @@ from nats.js import JetStreamContext
 
 from services.apiserver.server import ApiServer, ApiServerConfig, start_apiserver, write_kubeconfig
 from services.reconciler.kube import K8sGateway, load_api_client
-from shared.bus import H_MSG_ID, StreamsConfig, provision
-from shared.schema import Observed, decode_input
+from shared.bus.provision import StreamsConfig, provision
+from shared.bus.wire import H_MSG_ID
+from shared.fence.schema import Observed, decode_input
 from shared.subjects import Subjects
 
 NS = "default"

@@ -11,8 +11,8 @@ from kubernetes_asyncio import client
 
 from services.apiserver.server import ApiServer
 from services.reconciler.kube import K8sGateway, KubeUnavailable, NullGateway
-from shared.schema import Fence, KubeWrite, PodStatusIntent, Spec
-from shared.subjects import Key
+from shared.fence.keys import Key
+from shared.fence.schema import Fence, KubeWrite, PodStatusIntent, Spec
 
 from .conftest import MERGE, NS, VM_ARGS, pod_body, vm_body
 

@@ -1,4 +1,4 @@
-"""shared.spec: annotations and VirtualMachine specs → Spec, with messages naming the field."""
+"""shared.fence.podspec: annotations and VirtualMachine specs → Spec, with messages naming the field."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.schema import Spec
-from shared.spec import (
+from shared.fence.keys import Key
+from shared.fence.podspec import (
     is_ours,
     key_of_pod,
     key_of_vm,
@@ -18,7 +18,7 @@ from shared.spec import (
     spec_of_vm,
     vm_observation,
 )
-from shared.subjects import Key
+from shared.fence.schema import Spec
 
 
 def pod(annotations: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:

@@ -15,8 +15,10 @@ from prometheus_client import REGISTRY
 from services.apiserver.server import ApiServer, ApiServerConfig, start_apiserver, write_kubeconfig
 from services.reconciler.kube import load_api_client
 from services.watcher.watch import Watcher
-from shared.bus import H_MSG_ID, read_stream
-from shared.subjects import Key, Subjects
+from shared.bus.read import read_stream
+from shared.bus.wire import H_MSG_ID
+from shared.fence.keys import Key
+from shared.subjects import Subjects
 
 from .conftest import MERGE, NS, VM_ARGS, WAIT_S, Tap, pod_body, vm_body
 

@@ -13,8 +13,8 @@ import pytest
 from kubernetes_asyncio import client
 from nats.js import JetStreamContext
 
+from services.testbed.natsserver import free_port
 from services.watcher.service import ConfigError, main, parse
-from shared.natsserver import free_port
 from shared.subjects import Subjects
 
 from .conftest import Tap, pod_body

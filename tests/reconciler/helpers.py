@@ -9,9 +9,11 @@ from pathlib import Path
 
 from services.agent.config import AgentConfig
 from services.agent.service import Agent
-from shared.bus import Bus, publish_input, read_stream
-from shared.schema import HostHeartbeat, LogEntry, Observed, decode_entry, encode
-from shared.subjects import Key
+from shared.bus.append import publish_input
+from shared.bus.connect import Bus
+from shared.bus.read import read_stream
+from shared.fence.keys import Key
+from shared.fence.schema import HostHeartbeat, LogEntry, Observed, decode_entry, encode
 
 WAIT_S = 30.0
 

@@ -9,11 +9,13 @@ from pathlib import Path
 from services.reconciler.config import ReconcilerConfig
 from services.reconciler.kube import NullGateway
 from services.reconciler.service import Reconciler
-from shared.audit import audit
-from shared.bus import Bus, StreamsConfig, provision
-from shared.natsserver import start_cluster
-from shared.schema import Spec
-from shared.subjects import Key, Subjects
+from services.testbed.natsserver import start_cluster
+from shared.bus.connect import Bus
+from shared.bus.provision import StreamsConfig, provision
+from shared.fence.audit import audit
+from shared.fence.keys import Key
+from shared.fence.schema import Spec
+from shared.subjects import Subjects
 from tests.reconciler.helpers import log_entries, observe, per_key, sim_agent, wait_until
 
 PODS = 40

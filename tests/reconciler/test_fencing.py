@@ -14,12 +14,15 @@ from services.reconciler.effects import EffectRunner
 from services.reconciler.kube import NullGateway
 from services.reconciler.partition import Partition
 from services.reconciler.snapshot import SnapshotStore
-from shared.audit import audit
-from shared.bus import Bus, StreamsConfig, provision, read_stream
-from shared.decide import DecideEnv, HostView
-from shared.natsserver import NatsServer
-from shared.schema import Observed, Spec, encode
-from shared.subjects import Key, Subjects
+from services.testbed.natsserver import NatsServer
+from shared.bus.connect import Bus
+from shared.bus.provision import StreamsConfig, provision
+from shared.bus.read import read_stream
+from shared.fence.audit import audit
+from shared.fence.decide import DecideEnv, HostView
+from shared.fence.keys import Key
+from shared.fence.schema import Observed, Spec, encode
+from shared.subjects import Subjects
 from tests.reconciler.helpers import log_entries, observe, per_key, wait_until
 
 ENV = DecideEnv(hosts=[HostView("host-a", 64, 65536)])
@@ -104,7 +107,7 @@ async def test_a_partition_whose_lease_is_gone_appends_nothing(bus: Bus) -> None
 
 
 async def test_a_lost_log_tail_on_the_stream_is_rebuilt_and_surveyed(bus: Bus) -> None:
-    from shared.schema import Commanded, Rebuilt
+    from shared.fence.schema import Commanded, Rebuilt
 
     gateway = NullGateway()
     key = Key("pod", "default", "tail.lost")
@@ -141,7 +144,7 @@ async def _store(path: Path) -> SnapshotStore:
 
 
 async def test_a_snapshot_ahead_of_a_cut_log_never_wins_at_load(bus: Bus, tmp_path: Path) -> None:
-    from shared.schema import Commanded, Rebuilt
+    from shared.fence.schema import Commanded, Rebuilt
 
     gateway = NullGateway()
     key = Key("pod", "default", "snap.ahead")
@@ -167,7 +170,7 @@ async def test_a_snapshot_ahead_of_a_cut_log_never_wins_at_load(bus: Bus, tmp_pa
 
 
 async def test_a_snapshot_row_whose_positions_the_log_refilled_is_reread_not_trusted(bus: Bus, tmp_path: Path) -> None:
-    from shared.schema import Rebuilt
+    from shared.fence.schema import Rebuilt
 
     gateway = NullGateway()
     key = Key("pod", "default", "snap.diverged")
@@ -201,7 +204,7 @@ async def test_a_no_op_input_on_a_stale_copy_is_decided_on_the_log_not_dropped(b
     """Rule 1 for inputs that decide nothing: they are acked without an append, so no fence checks
     them. A writer whose copy is stale (it lost its lease while cut off, then fetched again) must
     not consume the answer to a command the new owner sent: it re-reads the key and decides it."""
-    from shared.schema import Commanded, CommandResult, Hibernated
+    from shared.fence.schema import Commanded, CommandResult, Hibernated
 
     gateway = NullGateway()
     key = Key("pod", "default", "stale.copy")
@@ -231,7 +234,7 @@ async def test_an_entry_a_previous_owner_appends_after_the_load_is_taken_over_wi
     (fenced per key, so no fork), after the new owner loaded. The new owner tails its partition's
     log, re-reads that key and carries out its outbox — else a timer or command decided by the old
     owner dies with it and the key waits for an input that may never come."""
-    from shared.schema import decode_command
+    from shared.fence.schema import decode_command
 
     gateway = NullGateway()
     key = Key("pod", "default", "late.append")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from services.reconciler.keytable import KeySlot, pack_state, unpack_encoded
-from shared.schema import Admitted, Bound, Command, Commanded, Done, Fence, Placed, Spec, TimerArmed
-from shared.state import KeyState, encode_state, fold_all
+from shared.fence.schema import Admitted, Bound, Command, Commanded, Done, Fence, Placed, Spec, TimerArmed
+from shared.fence.state import KeyState, encode_state, fold_all
 
 
 def bound_state(key: str = "shop/cart.1", uid: str = "uid-1") -> KeyState:

@@ -15,11 +15,13 @@ import pytest
 from kubernetes_asyncio import client, config
 
 from services.apiserver.server import ApiServer, start_apiserver, write_kubeconfig
-from shared.audit import audit
-from shared.bus import Bus, StreamsConfig, provision
-from shared.natsserver import NatsServer
-from shared.schema import Admitted, Commanded
-from shared.subjects import Key, Subjects
+from services.testbed.natsserver import NatsServer
+from shared.bus.connect import Bus
+from shared.bus.provision import StreamsConfig, provision
+from shared.fence.audit import audit
+from shared.fence.keys import Key
+from shared.fence.schema import Admitted, Commanded
+from shared.subjects import Subjects
 from tests.reconciler.helpers import log_entries, observe, per_key, sim_agent
 
 PODS = 60

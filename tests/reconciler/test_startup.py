@@ -10,12 +10,12 @@ from urllib.parse import urlparse
 
 import pytest
 
-from services.cli.busfaults import CALM, BusProxy, Weather
 from services.reconciler.config import ReconcilerConfig
 from services.reconciler.kube import NullGateway
 from services.reconciler.service import Reconciler, StoppedDuringStartup
-from shared import bus
-from shared.natsserver import NatsServer
+from services.testbed.chaos.busfaults import CALM, BusProxy, Weather
+from services.testbed.natsserver import NatsServer
+from shared.bus import retry as bus_retry
 
 LOST = Weather(api_response_lost=1.0, publish_response_lost=1.0)
 
@@ -37,7 +37,7 @@ def _reconciler(url: str, tmp_path: Path) -> Reconciler:
 async def test_lost_answers_at_start_are_waited_out_not_fatal(
     proxy: BusProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(bus.Retry.__init__, "__defaults__", (2, 0.1))  # provisioning gives up fast
+    monkeypatch.setattr(bus_retry.Retry.__init__, "__defaults__", (2, 0.1))  # provisioning gives up fast
     lost = asyncio.Event()
     proxy.on_fault = lambda component, kind: lost.set() if proxy.counts["api_response_lost"] >= 2 else None
     proxy.set_weather(1, LOST)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.decide import DecideEnv, HostView, decide, rebuild
-from shared.schema import (
+from shared.fence.decide import DecideEnv, HostView, decide, rebuild
+from shared.fence.schema import (
     Command,
     Commanded,
     CommandResult,
@@ -18,7 +18,7 @@ from shared.schema import (
     TimerArmed,
     WriteRequested,
 )
-from shared.state import KeyState, fold_all
+from shared.fence.state import KeyState, fold_all
 
 KEY = "default/web.v1"
 ENV = DecideEnv(hosts=[HostView("host-a", 8, 8192), HostView("host-b", 8, 8192)], restart_backoff_base_s=1)

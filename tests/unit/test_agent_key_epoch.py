@@ -10,7 +10,7 @@ from pathlib import Path
 from services.agent.executor import Executor
 from services.agent.ledger import Ledger
 from services.agent.runtime.sim import SimDriver
-from shared.schema import NO_INCARNATION, SURVEY_VM_ID, Command, Fence, Spec
+from shared.fence.schema import NO_INCARNATION, SURVEY_VM_ID, Command, Fence, Spec
 
 KEY = "default/web-1"
 

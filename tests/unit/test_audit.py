@@ -3,8 +3,8 @@ position; a violation that lasts is reported at every position it lasts."""
 
 from __future__ import annotations
 
-from shared.audit import audit
-from shared.schema import (
+from shared.fence.audit import audit
+from shared.fence.schema import (
     Admitted,
     Bound,
     Command,

@@ -3,8 +3,8 @@ the surveyed VM adopted) audits clean; a log with a hole, or a cut nobody rebuil
 
 from __future__ import annotations
 
-from shared.audit import audit
-from shared.schema import Inventoried, LogEntry, Rebuilt
+from shared.fence.audit import audit
+from shared.fence.schema import Inventoried, LogEntry, Rebuilt
 from tests.unit.driver import Driver, answer_surveys, lose_tail
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.cli.chaos_world import World
-from shared.schema import Spec
+from services.testbed.world import World
+from shared.fence.schema import Spec
 
 ACTIONS = (
     "create", "create_adopt", "delete", "force_recreate", "force_delete_unobserved", "hibernate",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.audit import audit
-from shared.decide import DecideEnv, decide
-from shared.schema import (
+from shared.fence.audit import audit
+from shared.fence.decide import DecideEnv, decide
+from shared.fence.schema import (
     NO_INCARNATION,
     Admitted,
     Bound,
@@ -41,7 +41,7 @@ from shared.schema import (
     WriteDone,
     WriteRequested,
 )
-from shared.state import KeyState, fold_all
+from shared.fence.state import KeyState, fold_all
 from tests.unit.driver import KEY, Driver, answer_surveys, cut_unseen, lose_tail, of
 
 
@@ -365,8 +365,8 @@ def test_replay_rederives_the_writers_state_exactly() -> None:
 
 
 def test_a_lost_log_tail_is_rebuilt_above_every_known_epoch_and_surveyed_before_any_vm() -> None:
-    from shared.decide import rebuild
-    from shared.schema import CommandResult, Discovered, Inventoried, Rebuilt
+    from shared.fence.decide import rebuild
+    from shared.fence.schema import CommandResult, Discovered, Inventoried, Rebuilt
 
     d = Driver()
     c1 = d.run_up("u1")
@@ -392,7 +392,7 @@ def test_a_lost_log_tail_is_rebuilt_above_every_known_epoch_and_surveyed_before_
 
 
 def test_a_fenced_answer_naming_a_newer_owner_is_never_taken_for_a_gone_vm() -> None:
-    from shared.schema import CommandResult, Discovered, Inventoried
+    from shared.fence.schema import CommandResult, Discovered, Inventoried
 
     d = Driver()
     c1 = d.run_up("u1")
@@ -423,7 +423,7 @@ def test_an_absent_answer_to_a_read_asked_before_an_admission_deletes_nothing() 
 
 
 def test_effect_ids_differ_across_a_rebuild_at_the_same_log_position() -> None:
-    from shared.decide import rebuild
+    from shared.fence.decide import rebuild
 
     a = Driver()
     a.feed(Observed(KEY, "u1", 1))
@@ -437,7 +437,7 @@ def test_effect_ids_differ_across_a_rebuild_at_the_same_log_position() -> None:
 
 
 def test_an_invalid_annotation_on_a_running_pod_shows_a_condition_and_keeps_the_vm() -> None:
-    from shared.schema import SpecChanged, WriteRequested
+    from shared.fence.schema import SpecChanged, WriteRequested
 
     d = Driver()
     d.run_up("u1")
@@ -450,7 +450,7 @@ def test_an_invalid_annotation_on_a_running_pod_shows_a_condition_and_keeps_the_
 
 
 def test_a_vm_adopted_while_it_was_down_is_restarted_under_the_new_fence() -> None:
-    from shared.schema import CommandResult, Inventoried
+    from shared.fence.schema import CommandResult, Inventoried
 
     d = Driver()
     c1 = d.run_up("u1")

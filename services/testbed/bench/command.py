@@ -5,24 +5,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import tempfile
 import time
 from typing import Any
 
-from shared.bus import Bus, StreamsConfig, provision
-from shared.natsserver import start_nats
-from shared.schema import (
-    CommandResult,
-    HostHeartbeat,
-    Observed,
-    Spec,
-    decode_command,
-    encode,
-)
-from shared.subjects import Key, Subjects
+from services.testbed.natsserver import start_nats
+from services.testbed.output import emit
+from shared.bus.connect import Bus
+from shared.bus.provision import StreamsConfig, provision
+from shared.fence.keys import Key
+from shared.fence.schema import CommandResult, HostHeartbeat, Observed, Spec, decode_command, encode
+from shared.subjects import Subjects
+from shared.tasks import run_main
 
 BENCH_STREAM = "VMFENCE_BENCH_RAW"
 
@@ -87,7 +83,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     v.add_argument("--guest-boots", type=int, default=3, help="guest VMs booted for guest_boot_p50_s (qemu)")
     v.add_argument("--json", action="store_true")
     v.set_defaults(run=lambda a: bench_vm(a))
-    from services.cli.benchall import add_parser as add_all_parser
+    from services.testbed.bench.suite import add_parser as add_all_parser
 
     add_all_parser(bsub)
 
@@ -197,7 +193,7 @@ async def _run_decisions(keys: int, partitions: int) -> dict[str, object]:
         # this process's one core with the reconciler being measured)
         agents = await asyncio.create_subprocess_exec(
             sys.executable, "-c",
-            f"from services.cli.bench import fake_agents_main; "
+            f"from services.testbed.bench.command import fake_agents_main; "
             f"fake_agents_main({server.url!r}, {partitions})",
         )
         async with asyncio.TaskGroup() as tg:
@@ -235,25 +231,17 @@ async def _run_decisions(keys: int, partitions: int) -> dict[str, object]:
 
 
 def bench_decisions(args: argparse.Namespace) -> int:
-    from services.cli.main import _run_async
 
-    result = _run_async(_run_decisions(args.keys, args.partitions))
-    _emit(result, args.json)
+    result = run_main(_run_decisions(args.keys, args.partitions))
+    emit(result, args.json)
     return 0
 
 
 def bench_vm(args: argparse.Namespace) -> int:
-    from services.cli.benchvm import run_vm_bench
-    from services.cli.main import _run_async
+    from services.testbed.bench.vm import run_vm_bench
 
-    result = _run_async(run_vm_bench(args.runtime, args.count, guest_boots=getattr(args, "guest_boots", 3)))
-    _emit(result, args.json)
+    result = run_main(run_vm_bench(args.runtime, args.count, guest_boots=getattr(args, "guest_boots", 3)))
+    emit(result, args.json)
     return 0
 
 
-def _emit(result: dict[str, object], as_json: bool) -> None:
-    if as_json:
-        sys.stdout.write(json.dumps(result) + "\n")
-    else:
-        for k, v in result.items():
-            print(f"{k:>28}: {v}")

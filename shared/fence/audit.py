@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from shared.schema import (
+from shared.fence.schema import (
     Admitted,
     Adopted,
     Bound,
@@ -39,7 +39,7 @@ from shared.schema import (
     Restarting,
     Skipped,
 )
-from shared.state import KeyState, fold
+from shared.fence.state import KeyState, fold
 
 
 class Violation(msgspec.Struct, frozen=True):

@@ -26,9 +26,10 @@ from kubernetes_asyncio import client, config
 from services.agent.config import AgentConfig
 from services.agent.service import Agent
 from services.apiserver.server import ApiServer, ApiServerConfig, write_kubeconfig
+from services.testbed.natsserver import NatsServer, free_port, start_nats
 from services.watcher.watch import Watcher
-from shared.bus import Bus, StreamsConfig, provision
-from shared.natsserver import NatsServer, free_port, start_nats
+from shared.bus.connect import Bus
+from shared.bus.provision import StreamsConfig, provision
 from shared.subjects import Subjects
 from shared.tasks import end_within, run_within
 
@@ -190,7 +191,7 @@ class LocalStack:
         while time.monotonic() < deadline:
             if rp.proc is not None and rp.proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {rp.proc.returncode}; see {rp.log}")
-            if await _http_ok(rp.port, "/readyz"):
+            if await http_ok(rp.port, "/readyz"):
                 return
             await asyncio.sleep(0.1)
         raise RuntimeError(f"{name} not ready after {READY_TIMEOUT_S}s; see {rp.log}")
@@ -251,7 +252,7 @@ class LocalStack:
             await run_within(self.nats.stop(), STOP_TIMEOUT_S, what="stopping nats-server")
 
 
-async def _http_ok(port: int, path: str) -> bool:
+async def http_ok(port: int, path: str) -> bool:
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
     except (OSError, TimeoutError):

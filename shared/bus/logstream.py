@@ -7,16 +7,18 @@ import asyncio
 import contextlib
 import datetime
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
-from shared.bus import read_stream
-from shared.schema import Commanded, LogEntry, decode_entry
-from shared.subjects import Key, Subjects
+from shared.bus.read import read_stream
+from shared.fence.audit import Auditor, AuditReport
+from shared.fence.keys import Key
+from shared.fence.schema import Commanded, LogEntry, decode_entry
+from shared.subjects import Subjects
 
 EXPORT_MAGIC = b"VMFENCE-LOG 1\n"
 FOLLOW_IDLE_TIMEOUT_S = 5.0
@@ -129,3 +131,11 @@ def iter_export(data: bytes) -> Iterator[Record]:
             raise ValueError(f"export file truncated at byte {pos}")
         yield _rec_decoder.decode(data[pos : pos + n])
         pos += n
+
+
+def audit_records(records: Iterable[Record], *, final: bool = True) -> AuditReport:
+    """The audit of a list of records (``final``: the system has stopped; end checks apply)."""
+    auditor = Auditor()
+    for rec in records:
+        auditor.feed(rec.entry, rec.seq)
+    return auditor.report(final=final)

@@ -35,13 +35,11 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from services.agent.runtime.base import VMInfo
-from services.cli.busfaults import CALM, BusProxy, Weather
-from services.cli.chaos_oracles import lost_inputs
-from services.cli.chaos_procs import LIVE_STATES
-from services.cli.logcmds import audit_records
-from services.cli.stack import LocalStack
-from shared.bus import StreamsConfig
-from shared.decisions import Filter, read_log
+from services.testbed.chaos.busfaults import CALM, BusProxy, Weather
+from services.testbed.chaos.oracles import LIVE_STATES, lost_inputs
+from services.testbed.stack import LocalStack
+from shared.bus.logstream import Filter, audit_records, read_log
+from shared.bus.provision import StreamsConfig
 from shared.logs import JsonFormatter
 
 NS = "default"
@@ -252,16 +250,16 @@ async def _check_vm(stack: LocalStack, custom: client.CustomObjectsApi, name: st
 
 async def _log_tail(stack: LocalStack, problem: str, n: int = 8) -> list[str]:
     """The key's last entries, to read a failure without a rerun (interleavings do not replay)."""
-    from services.cli.logcmds import describe
+    from services.cli.decisions import describe
 
     assert stack.bus is not None
     key = problem.split(": ", 1)[0]
     entries = [r.entry async for r in read_log(stack.bus.js, stack.bus.subjects) if r.entry.key == key]
     lines = [f"#{e.n} " + ", ".join(describe(d) for d in e.decisions) for e in entries[-n:]]
     # what the watcher published for the key (uid:resourceVersion, g = gone), and the pod now
-    from shared.bus import read_stream
-    from shared.schema import Observed, decode_input
-    from shared.subjects import Key
+    from shared.bus.read import read_stream
+    from shared.fence.keys import Key
+    from shared.fence.schema import Observed, decode_input
 
     subject = stack.bus.subjects.observation(Key.parse(key))
     seen = []

@@ -13,9 +13,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from shared.audit import AuditReport, audit
-from shared.decide import DecideEnv, HostView, decide, rebuild
-from shared.schema import (
+from shared.fence.audit import AuditReport, audit
+from shared.fence.decide import DecideEnv, HostView, decide, rebuild
+from shared.fence.schema import (
     NO_INCARNATION,
     Command,
     Commanded,
@@ -38,7 +38,7 @@ from shared.schema import (
     WriteDone,
     WriteRequested,
 )
-from shared.state import KeyState, fold_all
+from shared.fence.state import KeyState, fold_all
 
 HOSTS = ("host-a", "host-b")
 

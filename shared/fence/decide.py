@@ -46,7 +46,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from shared.schema import (
+from shared.fence.schema import (
     NO_INCARNATION,
     SURVEY_VM_ID,
     Admitted,
@@ -91,8 +91,8 @@ from shared.schema import (
     WriteDone,
     WriteRequested,
 )
-from shared.state import Incarnation, KeyState, VMRec, fold
-from shared.state import vm_name as _vm_name
+from shared.fence.state import Incarnation, KeyState, VMRec, fold
+from shared.fence.state import vm_name as _vm_name
 
 # Named bounds (seconds) for the re-checks timers trigger.
 PLACE_RETRY_S = 2.0

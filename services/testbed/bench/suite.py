@@ -42,6 +42,9 @@ from typing import Any
 
 import msgspec
 
+from services.testbed.output import emit
+from shared.tasks import run_main
+
 ROOT = Path(__file__).resolve().parents[2]
 NS = "default"
 VM_ANNOTATION = "vmfence.io/vm-id"
@@ -73,16 +76,14 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 
 
 def bench_all(args: argparse.Namespace) -> int:
-    from services.cli.bench import _emit
-    from services.cli.main import _run_async
 
     only = tuple(x.strip() for x in args.only.split(",") if x.strip())
     bad = [x for x in only if x not in ALL_FIGURES]
     if bad:
         print(f"vmfence bench all: unknown figure(s) {bad}; one of {ALL_FIGURES}", file=sys.stderr)
         return 2
-    result = _run_async(run_all(args.size, only, pods=args.pods, sim_persist=args.sim_persist))
-    _emit(result, args.json)
+    result = run_main(run_all(args.size, only, pods=args.pods, sim_persist=args.sim_persist))
+    emit(result, args.json)
     return 0
 
 
@@ -241,8 +242,8 @@ async def log_last_seq(js: Any, subjects: Any) -> int:
 
 async def bound_times(js: Any, subjects: Any, start_seq: int, end_seq: int) -> dict[str, float]:
     """Key -> JetStream timestamp of the entry holding its first Bound, from an ordered consumer."""
-    from shared.decisions import follow_log
-    from shared.schema import Bound
+    from shared.bus.logstream import follow_log
+    from shared.fence.schema import Bound
 
     out: dict[str, float] = {}
     if end_seq < start_seq:
@@ -258,7 +259,7 @@ async def bound_times(js: Any, subjects: Any, start_seq: int, end_seq: int) -> d
 
 async def count_decisions(js: Any, subjects: Any, start_seq: int) -> tuple[int, int]:
     """(entries, decisions) in the log from start_seq to its end now."""
-    from shared.decisions import read_log
+    from shared.bus.logstream import read_log
 
     entries = decisions = 0
     async for rec in read_log(js, subjects, start_seq=start_seq):
@@ -327,7 +328,7 @@ class StackBench:
     async def __aenter__(self) -> StackBench:
         from kubernetes_asyncio import client
 
-        from services.cli.stack import LocalStack
+        from services.testbed.stack import LocalStack
 
         self.stack = LocalStack(root=Path(self.tmp) / "stack", runtime="sim", partitions=8, reconcilers=2,
                                 host_cpus=100000, host_memory_mib=10**8)
@@ -398,7 +399,7 @@ class StackBench:
 
     # -------------------------------------------------------------------- raw publish
     async def raw_publish(self) -> tuple[float, float]:
-        from services.cli.bench import raw_publish_rates
+        from services.testbed.bench.command import raw_publish_rates
 
         return await raw_publish_rates(self.stack.bus, self.size["raw_n"])
 
@@ -497,8 +498,9 @@ def _run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float 
 
 async def replay_figure(url: str, partitions: int, tmp: str) -> dict[str, Any]:
     """Export then replay (file and JetStream) as the CLI does, beside decoding the same file."""
-    from shared.bus import Bus, read_stream
-    from shared.decisions import iter_export
+    from shared.bus.connect import Bus
+    from shared.bus.logstream import iter_export
+    from shared.bus.read import read_stream
     from shared.subjects import Subjects
 
     env = {"VMFENCE_PARTITIONS": str(partitions)}
@@ -616,13 +618,19 @@ def state_child_main(url: str, keys: int, data_dir: str, rec_id: str, partitions
 
 
 async def _state_child(url: str, keys: int, data_dir: str, rec_id: str, partitions: int, wave: int = 0) -> None:
-    from services.cli.bench import idle_bound_keys, publish_pod_observations, until_hosts_live, until_keys_idle
     from services.reconciler.config import ReconcilerConfig
     from services.reconciler.kube import NullGateway
     from services.reconciler.service import Reconciler
-    from shared.bus import Bus
-    from shared.schema import HostHeartbeat, Spec, encode
-    from shared.subjects import Key, Subjects
+    from services.testbed.bench.command import (
+        idle_bound_keys,
+        publish_pod_observations,
+        until_hosts_live,
+        until_keys_idle,
+    )
+    from shared.bus.connect import Bus
+    from shared.fence.keys import Key
+    from shared.fence.schema import HostHeartbeat, Spec, encode
+    from shared.subjects import Subjects
 
     def say(**kw: Any) -> None:
         if os.environ.get("VMFENCE_BENCH_MEM_DIAG"):  # where the bytes are: objects by type, heap blocks
@@ -696,8 +704,9 @@ async def _fill_log(
 ) -> tuple[Any, list[dict[str, Any]]]:
     """A nats-server, fake agents and a state child that takes `keys` pods to bound; returns the
     running server and the child's phase lines. The caller stops the server."""
-    from shared.bus import Bus, StreamsConfig, provision
-    from shared.natsserver import start_nats
+    from services.testbed.natsserver import start_nats
+    from shared.bus.connect import Bus
+    from shared.bus.provision import StreamsConfig, provision
     from shared.subjects import Subjects
 
     server = await start_nats(store_dir=os.path.join(tmp, "nats"))
@@ -707,13 +716,13 @@ async def _fill_log(
     await bus.close()
     agents = await asyncio.create_subprocess_exec(
         sys.executable, "-c",
-        f"from services.cli.bench import fake_agents_main; fake_agents_main({server.url!r}, {partitions})",
+        f"from services.testbed.bench.command import fake_agents_main; fake_agents_main({server.url!r}, {partitions})",
         cwd=ROOT,
     )  # fmt: skip
     try:
         child = await asyncio.create_subprocess_exec(
             sys.executable, "-c",
-            f"from services.cli.benchall import state_child_main; "
+            f"from services.testbed.bench.suite import state_child_main; "
             f"state_child_main({server.url!r}, {keys}, {os.path.join(tmp, 'rec')!r}, {rec_id!r}, {partitions}, {wave})",
             stdout=subprocess.PIPE, cwd=ROOT,
         )  # fmt: skip
@@ -763,8 +772,8 @@ async def memory_figure(keys: int, tmp: str) -> dict[str, Any]:
 
 async def _time_to_ready(url: str, data_dir: str, rec_id: str, partitions: int, log: str) -> float:
     """Seconds from fork of `vmfence reconciler` to /readyz 200; the process is then stopped."""
-    from services.cli.stack import _http_ok
-    from shared.natsserver import free_port
+    from services.testbed.natsserver import free_port
+    from services.testbed.stack import http_ok
 
     port = free_port()
     t0 = time.perf_counter()
@@ -776,7 +785,7 @@ async def _time_to_ready(url: str, data_dir: str, rec_id: str, partitions: int, 
             stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, start_new_session=True,
         )  # fmt: skip
     try:
-        while not await _http_ok(port, "/readyz"):
+        while not await http_ok(port, "/readyz"):
             if proc.poll() is not None:
                 raise RuntimeError(f"reconciler exited {proc.returncode}; see {log}")
             if time.perf_counter() - t0 > 300:
@@ -795,7 +804,8 @@ async def _time_to_ready(url: str, data_dir: str, rec_id: str, partitions: int, 
 async def catchup_figure(decisions: int, tmp: str) -> dict[str, Any]:
     """Restart to ready with the snapshot present vs deleted, on a log of about `decisions`
     decisions; baselines: the interpreter importing the reconciler, and a raw read of the log."""
-    from shared.bus import Bus, read_stream
+    from shared.bus.connect import Bus
+    from shared.bus.read import read_stream
     from shared.subjects import Subjects
 
     partitions = 16

@@ -11,7 +11,7 @@ from typing import Literal
 
 import msgspec
 
-from shared.schema import (
+from shared.fence.schema import (
     NO_INCARNATION,
     Admitted,
     Adopted,

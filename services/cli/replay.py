@@ -1,10 +1,9 @@
-"""`vmfence replay`, `export` and `decisions`: reading, auditing and following the decision log."""
+"""`vmfence replay` and `vmfence export`: folding and auditing the whole log, and backing it up."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
 import sys
 import time
@@ -15,9 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 from services.cli.common import CliError, open_bus
-from shared.audit import Auditor, AuditReport
-from shared.decisions import EXPORT_MAGIC, Filter, Record, encode_record, follow_log, iter_export, read_log
-from shared.schema import Commanded, Decision, Skipped, decision_name
+from shared.bus.logstream import EXPORT_MAGIC, Record, audit_records, encode_record, iter_export, read_log
+from shared.fence.audit import Auditor, AuditReport
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -34,16 +32,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(run=export)
 
-    p = sub.add_parser("decisions", help="print decisions from the log, optionally following it")
-    p.add_argument("--nats")
-    p.add_argument("--key")
-    p.add_argument("--namespace")
-    p.add_argument("--host")
-    p.add_argument("--since", type=float, metavar="SECONDS", help="start this many seconds back (with --follow)")
-    p.add_argument("--follow", "-f", action="store_true")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(run=decisions)
-
 
 async def _records(args: argparse.Namespace) -> list[Record]:
     if args.file:
@@ -57,13 +45,6 @@ async def _records(args: argparse.Namespace) -> list[Record]:
         return [r async for r in read_log(bus.js, bus.subjects)]
     finally:
         await bus.close()
-
-
-def audit_records(records: list[Record], *, final: bool = True) -> AuditReport:
-    auditor = Auditor()
-    for rec in records:
-        auditor.feed(rec.entry, rec.seq)
-    return auditor.report(final=final)
 
 
 async def _audit_streaming(args: argparse.Namespace) -> AuditReport:
@@ -151,41 +132,4 @@ async def export(args: argparse.Namespace) -> int:
     finally:
         await bus.close()
     print(f"exported {n} entries to {args.output}", file=sys.stderr)
-    return 0
-
-
-def describe(d: Decision) -> str:
-    name = decision_name(d)
-    match d:
-        case Commanded(command=c):
-            return f"{name} {c.op} {c.vm_id} on {c.host} [{c.fence.uid[:8]}/e{c.fence.epoch}]"
-        case Skipped(reason=r, uid=uid, detail=detail):
-            return f"{name}({r}) {uid or ''} {detail}".rstrip()
-    fence = getattr(d, "fence", None)
-    extra = " ".join(
-        str(getattr(d, f)) for f in ("vm_id", "host", "reason", "snapshot") if getattr(d, f, None)
-    )
-    tag = f" [{fence.uid[:8]}/e{fence.epoch}]" if fence is not None else ""
-    return f"{name}{(' ' + extra) if extra else ''}{tag}"
-
-
-async def decisions(args: argparse.Namespace) -> int:
-    flt = Filter(key=args.key, namespace=args.namespace, host=args.host)
-    bus = await open_bus(args.nats, "vmfence-decisions")
-    console = Console()
-    try:
-        if args.follow:
-            source = follow_log(bus.js, bus.subjects, flt, since_s=args.since)
-        else:
-            source = read_log(bus.js, bus.subjects, flt)
-        async with contextlib.aclosing(source) as records:
-            async for rec in records:
-                if args.json:
-                    sys.stdout.write(msgspec.json.encode(rec).decode() + "\n")
-                    sys.stdout.flush()
-                else:
-                    for d in rec.entry.decisions:
-                        console.print(f"{rec.seq:>8} {rec.entry.key}#{rec.entry.n} {describe(d)}", highlight=False)
-    finally:
-        await bus.close()
     return 0

@@ -28,9 +28,9 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from rich.console import Console
 from rich.table import Table
 
-from services.cli.logcmds import audit_records
-from services.cli.stack import LocalStack, pick_runtime
-from shared.decisions import read_log
+from services.testbed.stack import LocalStack, pick_runtime
+from shared.bus.logstream import audit_records, read_log
+from shared.tasks import run_main
 
 NS = "default"
 SETTLE_TIMEOUT_S = 60.0
@@ -359,10 +359,9 @@ def _table(result: dict[str, Any]) -> Table:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from services.cli.main import _run_async
 
     try:
-        result = _run_async(demo(args))
+        result = run_main(demo(args))
     except (TimeoutError, RuntimeError) as exc:
         print(f"vmfence demo: {exc}", file=sys.stderr)
         return 1
@@ -412,10 +411,9 @@ def _copy_file(src: str, dest: Path) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from services.cli.main import _run_async
 
     try:
-        return int(_run_async(up(args)))
+        return int(run_main(up(args)))
     except RuntimeError as exc:
         print(f"vmfence up: {exc}", file=sys.stderr)
         return 1

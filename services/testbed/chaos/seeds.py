@@ -2,7 +2,7 @@
 
 One seed fully determines a run: the workload, the fault schedule and the order in which every
 in-flight message (inputs, commands, reads, writes, timers) is delivered — the world is
-``services.cli.chaos_world.World`` around the real ``decide``/``fold``/``audit``. Oracles, checked at
+``services.testbed.world.World`` around the real ``decide``/``fold``/``audit``. Oracles, checked at
 every step and at quiescence: at most one VM per key in the agents' own records; the audit of the log
 (every command under the fence current at its position, results matching their commands, no
 tombstoned uid acted for, contiguous per-key logs); every input delivered and decided; after the
@@ -22,8 +22,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.cli.chaos_world import World
-from shared.schema import Spec
+from services.testbed.world import World
+from shared.fence.schema import Spec
 
 # The fault kinds of the campaign and how the schedule generator reaches each (issue 6, §1).
 FAULTS: dict[str, str] = {

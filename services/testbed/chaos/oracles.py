@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from shared.decisions import Record
-from shared.schema import Admitted, Bound, Forgotten, Hibernated, Superseded
-from shared.state import KeyState, fold
+from shared.bus.logstream import Record
+from shared.fence.schema import Admitted, Bound, Forgotten, Hibernated, Superseded
+from shared.fence.state import KeyState, fold
+
+LIVE_STATES = ("running", "paused", "creating")  # sim VM states that count as a VM
 
 
 def lost_inputs(records: list[Record], live: dict[str, tuple[str, bool]]) -> list[str]:

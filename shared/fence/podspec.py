@@ -1,4 +1,4 @@
-"""Pods and VirtualMachine objects → validated :class:`shared.schema.Spec` and observations.
+"""Pods and VirtualMachine objects → validated :class:`shared.fence.schema.Spec` and observations.
 
 Pure functions over the Kubernetes JSON form of an object (camelCase dicts, as the API server sends
 them). Invalid user input never raises: it yields a best-effort ``Spec`` (defaults where a field was
@@ -22,8 +22,8 @@ from __future__ import annotations
 import re
 from typing import Any, Final, cast
 
-from shared.schema import Observed, RecreatePolicy, RestartPolicy, Spec
-from shared.subjects import Key
+from shared.fence.keys import Key
+from shared.fence.schema import Observed, RecreatePolicy, RestartPolicy, Spec
 
 PREFIX: Final = "vmfence.io/"
 ANN_IMAGE: Final = "vmfence.io/image"

@@ -32,7 +32,7 @@ class Fence(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Spec(msgspec.Struct, frozen=True, omit_defaults=True):
-    """What the user asked for, already validated (see shared.spec)."""
+    """What the user asked for, already validated (see shared.fence.podspec)."""
 
     cpus: int = 1
     memory_mib: int = 128

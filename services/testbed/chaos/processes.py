@@ -11,7 +11,7 @@ host state files the agents persist) and counts VMs per pod key and per incarnat
 faults stop, the system must quiesce, and the final VMs are compared with the live pods in the API
 and with the decision log, whose audit must be clean.
 
-``--seeds``/``--seed`` is the deterministic in-process campaign (``services.cli.chaos_sim``), kept
+``--seeds``/``--seed`` is the deterministic in-process campaign (``services.testbed.chaos.seeds``), kept
 in a separate module and imported only when asked for.
 """
 
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.testbed.chaos.oracles import LIVE_STATES
 from shared.tasks import cancel_and_wait
 
 NS = "default"
@@ -46,93 +47,6 @@ ORACLE_PERIOD_S = 0.1
 QUIET_S = 5.0  # no new log entry for this long (with zero lag) = quiescent
 POLL_S = 0.2  # readiness/quiescence have no event to wait on: bounded polling
 HTTP_TIMEOUT_S = 2.0
-LIVE_STATES = ("running", "paused", "creating")  # sim VM states that count as a VM
-
-
-def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("chaos", help="fault campaigns: --processes (real processes) or --seeds (deterministic)")
-    mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--processes", action="store_true", help="real processes, SIGKILLs, an OS-level oracle")
-    p.add_argument("--stack", action="store_true",
-                   help="with --seeds/--seed: seeded workload and faults against the real in-process stack")
-    mode.add_argument("--seeds", type=int, metavar="N", help="deterministic campaign over N seeds (chaos_sim)")
-    mode.add_argument("--seed", type=int, metavar="S", help="deterministic campaign, one seed (chaos_sim)")
-    p.add_argument("--first", type=int, default=0, help="(--stack --seeds N) the first of the N seeds")
-    p.add_argument("--steps", type=int, default=None, help="(--seeds/--seed) steps per seed")
-    p.add_argument("--keys", type=int, default=None, help="(--seeds/--seed) pod keys per seed")
-    p.add_argument("--minutes", type=float, default=2.0, help="(--processes) how long faults and churn run")
-    p.add_argument("--runtime", default="auto", choices=["auto", "sim", "qemu"])
-    p.add_argument("--pods", type=int, default=6, help="pod names that churn")
-    p.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between SIGKILLs")
-    p.add_argument("--churn-every", type=float, default=1.0, help="mean seconds between pod operations")
-    p.add_argument("--stale-reads", type=int, default=3, help="API server lagging-cache depth during churn (0: off)")
-    p.add_argument("--settle-timeout", type=float, default=180.0, help="seconds allowed to quiesce at the end")
-    p.add_argument("--rng-seed", type=int, default=None, help="seed of the kill/churn schedule (default: random)")
-    p.add_argument("--dir", default=".vmfence/chaos", help="run directory (removed first)")
-    p.add_argument("--keep", action="store_true", help="keep the run directory (logs) after a clean run")
-    p.add_argument("--targets", default="all",
-                   help="comma-separated kinds to SIGKILL: apiserver,watcher,reconciler,agent,nats (default all)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    p.set_defaults(run=run_chaos)
-
-
-def run_chaos(args: argparse.Namespace) -> int:
-    if not args.processes:
-        return _run_sim_campaign(args)
-    from services.cli.main import _run_async
-
-    try:
-        result = _run_async(ProcessChaos(args).run())
-    except (RuntimeError, TimeoutError, OSError) as exc:
-        print(f"vmfence chaos: {exc}", file=sys.stderr)
-        return 1
-    except asyncio.CancelledError:
-        print("vmfence chaos: interrupted; every process it started was stopped", file=sys.stderr)
-        return 130
-    if args.json:
-        sys.stdout.write(json.dumps(result) + "\n")
-        sys.stdout.flush()  # the verdict is out even if the interpreter's exit is slow
-    else:
-        _print_human(result)
-    return 0 if result["ok"] else 1
-
-
-def _run_stack_campaign(args: argparse.Namespace) -> int:
-    from services.cli.chaos_stack import run_stack_campaign
-    from services.cli.main import _run_async
-
-    seeds = 1 if args.seed is not None else int(args.seeds or 0)
-    first = args.seed if args.seed is not None else args.first
-    steps = int(getattr(args, "steps", None) or 25)
-    def progress(line: str) -> None:
-        if not args.quiet:
-            print(f"[chaos --stack] {line}", file=sys.stderr, flush=True)
-
-    result = _run_async(run_stack_campaign(seeds, first, steps, root=args.dir + "-stack", progress=progress))
-    sys.stdout.write(json.dumps(result) + "\n")
-    return 1 if result["failures"] or result["violations"] or result["lost_inputs"] else 0
-
-
-def _run_sim_campaign(args: argparse.Namespace) -> int:
-    if getattr(args, "stack", False):
-        return _run_stack_campaign(args)
-    from services.cli import chaos_sim
-
-    return chaos_sim.run_campaign(args)
-
-
-def _print_human(result: dict[str, Any]) -> None:
-    keys = ("runtime", "minutes", "seconds", "kills", "pods_churned", "max_vms_per_key", "max_vms_per_incarnation",
-            "leaked_vms", "lost_inputs", "oracle_samples", "quiesced")
-    for k in keys:
-        print(f"{k:>26}: {result.get(k)}")
-    for v in result["violations"]:
-        print(f"VIOLATION {v}")
-    print("OK" if result["ok"] else "INVARIANT BROKEN")
-
-
-# ------------------------------------------------------------------------------- processes
 
 
 @dataclass
@@ -417,7 +331,7 @@ class ProcessChaos:
     notes: list[str] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
-        from services.cli.stack import pick_runtime
+        from services.testbed.stack import pick_runtime
 
         self.run_dir = Path(self.args.dir).resolve()
         self.runtime = pick_runtime(self.args.runtime)
@@ -436,8 +350,9 @@ class ProcessChaos:
     async def start_stack(self) -> None:
         from kubernetes_asyncio import client, config
 
-        from shared.bus import Bus, StreamsConfig, provision
-        from shared.natsserver import free_port, start_cluster
+        from services.testbed.natsserver import free_port, start_cluster
+        from shared.bus.connect import Bus
+        from shared.bus.provision import StreamsConfig, provision
         from shared.subjects import Subjects
 
         if self.run_dir.exists():
@@ -706,9 +621,8 @@ class ProcessChaos:
     # ------------------------------------------------------------------------- the end
     async def verdict(self) -> dict[str, Any]:
         """Compare the OS's VMs with the live pods, and the log with both."""
-        from services.cli.chaos_oracles import lost_inputs
-        from services.cli.logcmds import audit_records
-        from shared.decisions import read_log
+        from services.testbed.chaos.oracles import lost_inputs
+        from shared.bus.logstream import audit_records, read_log
 
         pods = await self._pods()
         live = {f"{NS}/{n}": (str(p.metadata.uid), p) for n, p in pods.items()}

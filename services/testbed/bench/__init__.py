@@ -1,0 +1,2 @@
+"""The benchmarks: the reconciler against raw publish (command), every figure beside a same-run
+baseline (suite), VM lifecycle against a bare QEMU (vm)."""

@@ -1,0 +1,178 @@
+"""Creating and checking the vmfence streams and KV buckets (idempotent, retried while a cluster forms)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext, api
+
+from shared.bus.retry import Retry
+from shared.bus.wire import ERR_STREAM_NAME_IN_USE, META_PARTITIONS, TRANSIENT, retriable_api_error
+from shared.fence.keys import DEFAULT_PARTITIONS
+from shared.subjects import Subjects
+
+log = logging.getLogger(__name__)
+
+DAY_S = 86_400.0
+
+
+
+class ProvisionFailed(Exception):
+    """Streams could not be created/updated within the bounded retries (cluster busy or down)."""
+
+
+class PartitionMismatch(Exception):
+    """An existing stream was provisioned with a different partition count (a migration)."""
+
+
+class StreamsConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Retention and replication of the vmfence streams and buckets for one deployment."""
+
+    replicas: Literal[1, 3] = 1
+    storage: Literal["file", "memory"] = "file"
+    partitions: int = DEFAULT_PARTITIONS
+    in_max_age_s: float = 7 * DAY_S
+    log_max_age_s: float = 0.0  # 0 = keep forever (audit)
+    dlq_max_age_s: float = 30 * DAY_S
+    cmd_max_age_s: float = 7 * DAY_S
+    duplicate_window_s: float = 120.0
+    lease_ttl_s: float = 10.0
+    hosts_ttl_s: float = 15.0
+
+
+def _storage(cfg: StreamsConfig) -> api.StorageType:
+    return api.StorageType.FILE if cfg.storage == "file" else api.StorageType.MEMORY
+
+
+def stream_configs(subjects: Subjects, cfg: StreamsConfig) -> list[api.StreamConfig]:
+    """The four vmfence streams as nats-py configs (exposed for tests and `vmfence status`)."""
+    meta = {META_PARTITIONS: str(cfg.partitions)}
+    common = {
+        "storage": _storage(cfg),
+        "num_replicas": cfg.replicas,
+        "duplicate_window": cfg.duplicate_window_s,
+        "discard": api.DiscardPolicy.OLD,
+    }
+    return [
+        api.StreamConfig(
+            name=subjects.stream_in,
+            subjects=[subjects.in_all],
+            retention=api.RetentionPolicy.LIMITS,
+            max_age=cfg.in_max_age_s,
+            allow_direct=True,
+            metadata=dict(meta),
+            **common,  # type: ignore[arg-type]
+        ),
+        api.StreamConfig(
+            name=subjects.stream_log,
+            subjects=[subjects.log_all],
+            retention=api.RetentionPolicy.LIMITS,
+            max_age=cfg.log_max_age_s,
+            allow_direct=True,
+            metadata=dict(meta),
+            **common,  # type: ignore[arg-type]
+        ),
+        api.StreamConfig(
+            name=subjects.stream_cmd,
+            subjects=[subjects.cmd_all],
+            retention=api.RetentionPolicy.WORK_QUEUE,
+            max_age=cfg.cmd_max_age_s,
+            **common,  # type: ignore[arg-type]
+        ),
+        api.StreamConfig(
+            name=subjects.stream_dlq,
+            subjects=[subjects.dlq_all],
+            retention=api.RetentionPolicy.LIMITS,
+            max_age=cfg.dlq_max_age_s,
+            **common,  # type: ignore[arg-type]
+        ),
+    ]
+
+
+def kv_stream_config(bucket: str, ttl_s: float, cfg: StreamsConfig) -> api.StreamConfig:
+    """A KV bucket's backing stream, as nats-py's create_key_value builds it (history 1, TTL)."""
+    return api.StreamConfig(
+        name=f"KV_{bucket}",
+        subjects=[f"$KV.{bucket}.>"],
+        allow_direct=True,
+        allow_rollup_hdrs=True,
+        allow_msg_ttl=True,
+        deny_delete=True,
+        discard=api.DiscardPolicy.NEW,
+        duplicate_window=min(120.0, ttl_s),
+        max_age=ttl_s,
+        max_consumers=-1,
+        max_msgs=-1,
+        max_msgs_per_subject=1,
+        num_replicas=cfg.replicas,
+        storage=_storage(cfg),
+    )
+
+
+def _check_partitions(info: api.StreamInfo, want: int) -> None:
+    recorded = (info.config.metadata or {}).get(META_PARTITIONS)
+    if recorded is not None and recorded != str(want):
+        raise PartitionMismatch(
+            f"stream {info.config.name} was provisioned with {recorded} partitions, this deployment "
+            f"uses {want}; changing the partition count is a migration (see docs), not a restart"
+        )
+
+
+async def _ensure_stream(js: JetStreamContext, want: api.StreamConfig, partitions: int | None) -> None:
+    """Create the stream, or check and update it; safe when several processes race."""
+    assert want.name is not None
+    try:
+        info: api.StreamInfo | None = await js.stream_info(want.name)
+    except nats.js.errors.NotFoundError:
+        info = None
+    if info is None:
+        try:
+            await js.add_stream(want)
+            return
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != ERR_STREAM_NAME_IN_USE:
+                raise
+        # Another process created it first (with some config): fall through to check/update.
+        info = await js.stream_info(want.name)
+    if partitions is not None:
+        _check_partitions(info, partitions)
+    # Keep server-added metadata (e.g. _nats.*) and add ours.
+    merged_meta = {**(info.config.metadata or {}), **(want.metadata or {})}
+    update = want.evolve(metadata=merged_meta or None)
+    await js.update_stream(update)
+
+
+async def _ensure_stream_retrying(js: JetStreamContext, want: api.StreamConfig, partitions: int | None) -> None:
+    """_ensure_stream is idempotent, so a timeout or a busy/leaderless cluster is simply retried."""
+    retry = Retry()
+    while True:
+        try:
+            await _ensure_stream(js, want, partitions)
+            return
+        except nats.js.errors.APIError as exc:
+            if not retriable_api_error(exc):
+                raise
+            last_error: BaseException = exc
+        except TRANSIENT as exc:
+            last_error = exc
+        log.debug("provision %s: retry after %r", want.name, last_error)
+        if not await retry.backoff():
+            raise ProvisionFailed(f"provisioning {want.name} failed: {last_error!r}") from last_error
+
+
+async def provision(js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig) -> None:
+    """Idempotently create/update the vmfence streams and KV buckets for this deployment."""
+    if cfg.partitions != subjects.partitions:
+        raise ValueError(f"StreamsConfig.partitions={cfg.partitions} but Subjects.partitions={subjects.partitions}")
+    if cfg.replicas not in (1, 3):
+        raise ValueError("replicas must be 1 or 3")
+    for sc in stream_configs(subjects, cfg):
+        check = cfg.partitions if sc.name in (subjects.stream_in, subjects.stream_log) else None
+        await _ensure_stream_retrying(js, sc, check)
+    await _ensure_stream_retrying(js, kv_stream_config(subjects.kv_leases, cfg.lease_ttl_s, cfg), None)
+    await _ensure_stream_retrying(js, kv_stream_config(subjects.kv_hosts, cfg.hosts_ttl_s, cfg), None)
