@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import msgspec
 from nats.js.kv import KeyValue
 
+from services.reconciler import metrics
 from shared.fence.decide import HostView
 from shared.fence.schema import HostHeartbeat
 
@@ -38,6 +39,12 @@ class HostsView:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     _live: list[HostView] | None = None
     _live_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        metrics.HEARTBEAT_AGES.watch(self)
+
+    def __hash__(self) -> int:  # held in the gauge's WeakSet by identity
+        return id(self)
 
     def update(self, beat: HostHeartbeat) -> None:
         self.hosts[beat.host] = _Host(beat, time.monotonic())
@@ -73,6 +80,11 @@ class HostsView:
             if now - h.seen < self.stale_after_s
         ]
         return self._live
+
+    def heartbeat_ages(self) -> list[tuple[str, float]]:
+        """(host, seconds since its last heartbeat arrived) for the heartbeat-age gauge."""
+        now = time.monotonic()
+        return [(name, now - h.seen) for name, h in self.hosts.items()]
 
     def ages(self) -> list[tuple[HostHeartbeat, float]]:
         now = time.monotonic()

@@ -3,7 +3,13 @@ the demo, tests — share them and tell themselves apart by labels)."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import weakref
+from collections.abc import Iterator
+from typing import Protocol
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 DECISIONS = Counter("vmfence_decisions_total", "Decisions appended to the log", ["type"])
 INPUTS = Counter("vmfence_inputs_total", "Inputs consumed by reconcilers", ["kind", "result"])
@@ -30,3 +36,37 @@ EFFECT_SECONDS = Histogram(
 K8S_WRITES = Counter("vmfence_k8s_writes_total", "Kubernetes writes by outcome", ["verb", "result"])
 CONSUMER_PENDING = Gauge("vmfence_consumer_pending", "Unprocessed inputs per partition", ["partition"])
 AUDIT_VIOLATIONS = Counter("vmfence_audit_violations_total", "Violations found by audits in this process")
+
+
+class HeartbeatAges(Collector):
+    """``vmfence_host_heartbeat_age_seconds{host}``: seconds since this process last received each
+    host's heartbeat, computed at scrape time from every live hosts view (several reconcilers in one
+    process — the demo, tests — report the freshest view of a host)."""
+
+    def __init__(self) -> None:
+        self._sources: weakref.WeakSet[_AgesSource] = weakref.WeakSet()
+
+    def watch(self, source: _AgesSource) -> None:
+        self._sources.add(source)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "vmfence_host_heartbeat_age_seconds",
+            "Seconds since each host's last heartbeat was received",
+            labels=["host"],
+        )
+        freshest: dict[str, float] = {}
+        for source in list(self._sources):
+            for host, age in source.heartbeat_ages():
+                freshest[host] = min(age, freshest.get(host, age))
+        for host, age in sorted(freshest.items()):
+            family.add_metric([host], age)
+        yield family
+
+
+class _AgesSource(Protocol):
+    def heartbeat_ages(self) -> list[tuple[str, float]]: ...
+
+
+HEARTBEAT_AGES = HeartbeatAges()
+REGISTRY.register(HEARTBEAT_AGES)

@@ -226,3 +226,74 @@ def test_metric_table_matches_the_projects_definitions() -> None:
         assert desc.type == METRICS[name], f"{name}: {desc.type}, the dashboards assume {METRICS[name]}"
         assert set(obj._labelnames) == LABELS.get(name, set()), f"{name}: labels {obj._labelnames}"
     assert seen, "services.reconciler.metrics defines none of the metrics"
+
+
+def _metrics_defined_in_code() -> dict[str, str]:
+    """Every metric the code constructs (name as exposed -> type), read from the source: calls of
+    prometheus_client's Counter/Gauge/Histogram/Summary and of the *MetricFamily collectors with a
+    literal name. A Counter named ``x`` is exposed as ``x_total``."""
+    import ast
+
+    root = DEPLOY.parent
+    kinds = {"Counter": "counter", "Gauge": "gauge", "Histogram": "histogram", "Summary": "summary",
+             "CounterMetricFamily": "counter", "GaugeMetricFamily": "gauge", "HistogramMetricFamily": "histogram"}
+    out: dict[str, str] = {}
+    for path in [*root.joinpath("services").rglob("*.py"), *root.joinpath("shared").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            first = node.args[0]
+            if func in kinds and isinstance(first, ast.Constant) and isinstance(first.value, str):
+                name, kind = first.value, kinds[func]
+                if kind == "counter" and not name.endswith("_total"):
+                    name += "_total"
+                out[name] = kind
+    return out
+
+
+def _metrics_used_by_deploy() -> dict[str, set[str]]:
+    """Every vmfence_* name the dashboards and alert rules query -> the files that query it."""
+    used: dict[str, set[str]] = {}
+    files = [*DEPLOY.joinpath("grafana").rglob("*.json"), *DEPLOY.joinpath("prometheus").rglob("*.yaml"),
+             *DEPLOY.joinpath("helm", "vmfence", "files").rglob("*.yaml")]
+    assert files
+    for path in files:
+        for name in _METRIC_RE.findall(path.read_text()):
+            used.setdefault(name, set()).add(path.name)
+    return used
+
+
+def test_every_metric_a_dashboard_or_alert_uses_is_defined_in_code() -> None:
+    defined = _metrics_defined_in_code()
+    missing = []
+    for name, where in sorted(_metrics_used_by_deploy().items()):
+        base = name
+        for suffix in ("_bucket", "_sum", "_count"):
+            if name.endswith(suffix) and defined.get(name.removesuffix(suffix)) in ("histogram", "summary"):
+                base = name.removesuffix(suffix)
+        if base not in defined:
+            missing.append(f"{name} (in {', '.join(sorted(where))})")
+    assert missing == [], "metrics used by deploy/ that no code defines: " + "; ".join(missing)
+
+
+def test_the_metric_table_here_agrees_with_the_code() -> None:
+    """METRICS above (what the dashboard checks assume) names only metrics the code defines, with their types."""
+    defined = _metrics_defined_in_code()
+    for name, kind in METRICS.items():
+        assert defined.get(name) == kind, f"{name}: the code defines {defined.get(name)}, the table says {kind}"
+
+
+def test_the_heartbeat_age_gauge_reports_each_host_a_reconciler_sees() -> None:
+    from prometheus_client import REGISTRY
+
+    from services.reconciler.hosts import HostsView
+    from shared.fence.schema import HostHeartbeat
+
+    view = HostsView()
+    view.update(HostHeartbeat(host="gauge-host", runtime="sim", cpus_total=2, cpus_free=2,
+                              memory_total_mib=1024, memory_free_mib=1024, vms=0, at=0.0))
+    age = REGISTRY.get_sample_value("vmfence_host_heartbeat_age_seconds", {"host": "gauge-host"})
+    assert age is not None and 0 <= age < 60
+    view.remove("gauge-host")
+    assert REGISTRY.get_sample_value("vmfence_host_heartbeat_age_seconds", {"host": "gauge-host"}) is None
