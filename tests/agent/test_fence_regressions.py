@@ -1,0 +1,103 @@
+"""Fixed regressions for the agent's own fence checks (issue 16), through the agent's stable
+interface only: commands on the bus in, results on the report subjects out, the sim runtime's
+history and the ledger's owner as oracles. Each situation is one where the checked-for command
+passes every other check (the key mark, the tombstones), so the check under test is the only
+thing that refuses it; each was seen to pass a mutant without that check."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from nats.aio.client import Client
+
+from services.agent.config import AgentConfig
+from services.agent.runtime.sim import SimDriver
+from services.agent.service import Agent
+from shared.fence.schema import Command, CommandResult, Fence, Input
+
+from .conftest import Reports, command, fence, send, sim_driver
+
+EFFECT_OPS = ("create", "start", "stop", "remove", "snapshot", "restore")
+
+
+def is_result(cid: str) -> Callable[[Input], bool]:
+    return lambda i: isinstance(i, CommandResult) and i.command_id == cid
+
+
+async def run(nc: Client, reports: Reports, cmd: Command) -> CommandResult:
+    await send(nc, cmd)
+    r = await reports.wait(is_result(cmd.id))
+    assert isinstance(r, CommandResult)
+    return r
+
+
+def effects_on(driver: SimDriver, vm_id: str, since: int) -> list[str]:
+    """Runtime effects on ``vm_id`` recorded after position ``since`` of the sim's history."""
+    return [op.op for op in driver.history[since:] if op.vm_id == vm_id and op.op in EFFECT_OPS]
+
+
+async def test_a_wake_without_a_snapshot_is_refused_before_the_runtime_is_asked(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig]
+) -> None:
+    """Rule 10: waking restores from a snapshot, never a blank VM. The reconciler never sends a
+    wake without one; the agent refuses it all the same, without asking the runtime anything."""
+    cfg = make_config()
+    driver = sim_driver(cfg)
+    async with Agent(cfg, driver=driver) as agent:
+        for i, snapshot in enumerate(("", None)):
+            vm_id = f"w-{i}"
+            wake = command("wake", vm_id, fence(1), snapshot=snapshot)
+            r = await run(nc, reports, wake)
+            assert r.outcome == "failed" and r.error is not None and "snapshot" in r.error, r
+            assert effects_on(driver, vm_id, 0) == [], "the runtime was asked to restore without a snapshot"
+            assert agent.ledger.vm(vm_id) is None and driver.all_vms() == []
+
+
+async def test_a_newer_fences_non_adopt_op_on_a_predecessors_vm_is_fenced(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig]
+) -> None:
+    """Rule 4: only ``adopt`` moves a VM to a newer incarnation (after inspecting it). A newer
+    fence of the same key passes the key mark, so the ledger's owner check alone must refuse its
+    ``create``/``start``/``hibernate``/``wake`` of the predecessor's VM — and the refusal names
+    the real owner."""
+    cfg = make_config()
+    old, new = fence(1), fence(2)
+    driver = sim_driver(cfg)
+    async with Agent(cfg, driver=driver) as agent:
+        assert (await run(nc, reports, command("create", "n-1", old))).outcome == "ok"
+        since = len(driver.history)
+        for op in ("create", "start", "hibernate", "wake"):
+            cmd = command(op, "n-1", new, snapshot="/nonexistent/n-1.snap" if op == "wake" else None)
+            r = await run(nc, reports, cmd)
+            assert r.outcome == "fenced", (op, r)
+            assert r.fence == new and [(i.vm_id, i.fence) for i in r.found] == [("n-1", old)], (op, r)
+            assert agent.ledger.owner("n-1") == old, op
+        assert effects_on(driver, "n-1", since) == [], "a newer fence acted on its predecessor's VM"
+        assert driver.running_vms() == ["n-1"]
+        # the newer fence may still collect it; it is gone for good afterwards
+        assert (await run(nc, reports, command("remove", "n-1", new))).outcome == "ok"
+        assert driver.all_vms() == [] and agent.ledger.owner("n-1") is None
+
+
+async def test_a_vm_of_another_key_is_never_touched(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig]
+) -> None:
+    """Rule 4 across keys: a command whose fence belongs to another key (its epoch above the
+    owner's, its own key's mark unset here) is refused for every op — start, create, hibernate,
+    wake, adopt, remove — and the VM keeps its owner and keeps running."""
+    cfg = make_config()
+    owner = fence(1)
+    stranger = Fence("default/other", "uid-other", 5)
+    driver = sim_driver(cfg)
+    async with Agent(cfg, driver=driver) as agent:
+        assert (await run(nc, reports, command("create", "k-1", owner))).outcome == "ok"
+        since = len(driver.history)
+        for op in ("start", "create", "hibernate", "wake", "adopt", "remove"):
+            cmd = command(op, "k-1", stranger, snapshot="/nonexistent/k-1.snap" if op == "wake" else None)
+            r = await run(nc, reports, cmd)
+            assert r.outcome == "fenced", (op, r)
+            assert [(i.vm_id, i.fence) for i in r.found] == [("k-1", owner)], (op, r)
+            assert agent.ledger.owner("k-1") == owner, op
+        assert effects_on(driver, "k-1", since) == [], "another key's command acted on the VM"
+        assert driver.running_vms() == ["k-1"]
+        assert {x.fence for x in await agent.ledger.reservations("k-1")} == {owner}

@@ -1,0 +1,116 @@
+"""Fixed regressions for fence checks that only a random interleaving (or nothing) used to reach
+(issue 16). Each test drives ``decide`` into the one situation where its check is the only thing
+standing between a late input and the current incarnation; each was seen to fail with the check
+taken out (the mutants catalogue, services/testbed/mutant_catalogue.py, keeps that so)."""
+
+from __future__ import annotations
+
+from shared.fence.decide import DecideEnv
+from shared.fence.schema import (
+    Commanded,
+    DeleteClaimed,
+    Done,
+    Fence,
+    Forgotten,
+    Observed,
+    ProbeChanged,
+    ReadyChanged,
+    Restarting,
+    Skipped,
+    Spec,
+    TimerArmed,
+    TimerFired,
+    VMExited,
+    WriteDone,
+)
+from tests.unit.driver import ENV, KEY, Driver, of
+
+
+def test_a_superseded_incarnations_final_delete_answer_never_forgets_the_successor() -> None:
+    """u1 is deleted and its final pod delete is written; u2 is admitted before that write is
+    answered; then u1's ``WriteDone(ok)`` arrives. It must finish nothing of u2's (guards the
+    ``cur.fence != w.fence`` check in ``_on_write_done``)."""
+    d = Driver()
+    d.run_up("u1")
+    d.feed(Observed(KEY, "u1", d.next_rv(), deleting=True))
+    (remove,) = d.commands("remove")
+    d.answer(remove)
+    (final,) = d.writes("delete")
+    assert final.write.fence.uid == "u1"
+    d.admit("u2")  # the name is taken by a new incarnation before the delete's answer comes back
+    assert d.state.cur is not None and d.state.cur.fence.uid == "u2"
+    (create,) = d.commands("create")
+    out = d.feed(WriteDone(final.write.fence, final.write.id, "ok"))
+    assert [x.effect_id for x in of(out, Done)] == [final.write.id], "the answer completes u1's write"
+    assert of(out, Forgotten) == [], "u1's delete answer tombstoned its successor"
+    cur = d.state.cur
+    assert cur is not None and cur.fence == Fence(KEY, "u2", 2) and not cur.delete_claim
+    assert "u2" not in d.state.tombstones
+    assert d.commands("create") == [create], "u2's bring-up is still under way"
+
+
+def test_a_predecessors_probe_after_adoption_never_makes_the_successor_ready() -> None:
+    """u2 adopts u1's VM (``on-recreate: adopt``) and is bound to it; a probe result then arrives
+    under u1's fence — same VM, same host. It is skipped (guards the fence comparison in
+    ``_on_probe``; the rule-4 test sends its stale probe before u2 is bound)."""
+    d = Driver()
+    c1 = d.run_up("u1", Spec(on_recreate="adopt"))
+    d.admit("u2", Spec(on_recreate="adopt"))
+    (adopt,) = d.commands("adopt")
+    d.answer(adopt, ip="10.0.0.9")
+    cur = d.state.cur
+    assert cur is not None and cur.fence.uid == "u2" and cur.bound and cur.vm_id == c1.vm_id
+    assert cur.host == c1.host and not cur.ready
+    out = d.feed(ProbeChanged(c1.fence, c1.host, c1.vm_id, True))
+    assert of(out, ReadyChanged) == [], "u1's probe made u2 ready"
+    assert [s.reason for s in of(out, Skipped)] == ["superseded"]
+    assert not d.state.cur.ready  # type: ignore[union-attr]
+    # u2's own probe of the same VM is applied
+    out = d.feed(ProbeChanged(adopt.fence, c1.host, c1.vm_id, True))
+    assert [r.ready for r in of(out, ReadyChanged)] == [True]
+
+
+def test_a_restart_timer_firing_after_a_delete_claim_starts_nothing() -> None:
+    """The VM exits and its restart is armed; the pod is deleted before the timer fires (the
+    claim queues the VM's remove). The timer re-checks and does nothing: no ``start`` behind the
+    remove, the VM's record stays ``removing`` (rule 12; guards ``not cur.deleting`` in the restart
+    branch of ``_on_timer`` — the rule-12 test covers only the place timer)."""
+    d = Driver()
+    c = d.run_up("u1")
+    out = d.feed(VMExited(c.fence, c.host, c.vm_id, 1))
+    (timer,) = of(out, TimerArmed)
+    assert timer.purpose == f"restart/{c.vm_id}"
+    out = d.feed(Observed(KEY, "u1", d.next_rv(), deleting=True))
+    assert of(out, DeleteClaimed)
+    (remove,) = d.commands("remove")
+    assert remove.vm_id == c.vm_id and d.state.vms[c.vm_id].state == "removing"
+    out = d.feed(TimerFired(timer.fence, timer.timer_id))
+    assert [x.effect_id for x in of(out, Done)] == [timer.timer_id]
+    assert of(out, Commanded) == [], "a restart timer sent a command after the delete claim"
+    assert d.commands("start") == []
+    assert d.state.vms[c.vm_id].state == "removing", "the VM's record flipped from removing"
+    # the delete then completes as if the timer had never fired
+    d.answer(remove)
+    assert len(d.writes("delete")) == 1
+
+
+def test_the_restart_backoff_doubles_up_to_its_cap_of_300_s() -> None:
+    """Exponential restart backoff from the base, capped at ``restart_backoff_max_s`` (300 s by
+    default): 10, 20, 40, 80, 160, then 300 and 300 again — never 320, 640... (rule 7)."""
+    env = DecideEnv(hosts=ENV.hosts)  # the defaults: base 10 s, cap 300 s
+    assert (env.restart_backoff_base_s, env.restart_backoff_max_s) == (10.0, 300.0)
+    d = Driver(env=env)
+    c = d.run_up("u1")
+    seen: list[tuple[int, float, float]] = []
+    for _ in range(7):
+        out = d.feed(VMExited(c.fence, c.host, c.vm_id, 1))
+        (restart,) = of(out, Restarting)
+        (timer,) = of(out, TimerArmed)
+        seen.append((restart.restart_count, restart.backoff_s, timer.delay_s))
+        d.feed(TimerFired(timer.fence, timer.timer_id))
+        (start,) = d.commands("start")
+        d.answer(start, ip="10.0.0.9")
+    assert seen == [
+        (1, 10, 10), (2, 20, 20), (3, 40, 40), (4, 80, 80), (5, 160, 160), (6, 300, 300), (7, 300, 300)
+    ]
+    assert d.state.cur is not None and d.state.cur.restart_count == 7
