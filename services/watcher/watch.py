@@ -48,6 +48,7 @@ from nats.js import JetStreamContext
 from prometheus_client import Counter
 
 from shared.bus.append import publish_input
+from shared.bus.deadletter import dead_letter
 from shared.fence.keys import Key
 from shared.fence.podspec import (
     VM_GROUP,
@@ -76,11 +77,17 @@ BACKOFF_BASE_S = 0.1
 BACKOFF_MAX_S = 10.0
 HEALTHY_STREAM_S = 10.0  # a stream that lived this long resets the backoff
 MAX_LINE_BYTES = 16 * 1024 * 1024  # one watch event; larger means a broken stream
+REJECT_FIELD_MAX = 256  # characters of a name, uid or error kept in a dead letter
 
 WATCH_EVENTS = Counter(
     "vmfence_watch_events_total",
     "Watch and list events handled, by resource kind and event type (LISTED, GONE: from a relist)",
     ["kind", "type"],
+)
+WATCH_REJECTED = Counter(
+    "vmfence_watch_rejected_total",
+    "Objects the watcher could not read into an observation (dead-lettered; the watch goes on)",
+    ["kind"],
 )
 WATCH_RESTARTS = Counter(
     "vmfence_watch_restarts_total",
@@ -174,9 +181,25 @@ class ResourceLoop:
     async def _publish(self, key: Key, obs: Observed, msg_id: str) -> None:
         await publish_input(self.js, self.subjects.observation(key), encode(obs), msg_id=msg_id)
 
+    async def _reject(self, obj: JSON, exc: Exception) -> None:
+        """Dead-letter an object that could not be read, naming it and why: one object's defect
+        must never stop the watch (which would restart from the same resourceVersion forever)."""
+        meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+        ident = {k: str(meta.get(k))[:REJECT_FIELD_MAX] for k in ("namespace", "name", "uid", "resourceVersion")}
+        reason = f"unreadable {self.kind}: {type(exc).__name__}: {str(exc)[:REJECT_FIELD_MAX]}"
+        log.warning("%s %s/%s (uid %s) dead-lettered: %s", self.kind, ident["namespace"], ident["name"],
+                    ident["uid"], reason)
+        WATCH_REJECTED.labels(self.kind).inc()
+        await dead_letter(self.js, self.subjects, source="watcher", reason=reason,
+                          subject=f"{self.kind}/{ident['namespace']}/{ident['name']}", data=json.dumps(ident).encode())
+
     async def _handle(self, etype: str, obj: JSON) -> None:
         gone = etype == "DELETED"
-        got = self._observe(obj, gone)
+        try:
+            got = self._observe(obj, gone)
+        except Exception as exc:  # a defect of this object, not of the watch
+            await self._reject(obj, exc)
+            return
         if got is None:
             return
         key, obs = got
@@ -208,7 +231,11 @@ class ResourceLoop:
         listed: dict[str, _Known] = {}
         for item in items:
             item.setdefault("kind", kind)
-            got = self._observe(item, False)
+            try:
+                got = self._observe(item, False)
+            except Exception as exc:  # one unreadable object must not fail the list for all
+                await self._reject(item, exc)
+                continue
             if got is None:
                 continue
             key, obs = got

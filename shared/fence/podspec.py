@@ -48,8 +48,11 @@ PORT_MAX: Final = 65535
 RESTART_POLICIES: Final[tuple[RestartPolicy, ...]] = ("Always", "OnFailure", "Never")
 RECREATE_POLICIES: Final[tuple[RecreatePolicy, ...]] = ("replace", "adopt")
 
-_INT = re.compile(r"^[0-9]+$")
-_MEMORY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?$")
+# At most 18 digits: every bound here is far below 10**18, and Python's int() refuses strings of
+# more than 4300 digits with a ValueError that is not a SpecError (one such annotation stopped the
+# watcher for everyone). A longer number is simply out of range.
+_INT = re.compile(r"^[0-9]{1,18}$")
+_MEMORY = re.compile(r"^([0-9]{1,18})(Ki|Mi|Gi|Ti)?$")
 _MEMORY_FACTOR_KIB: Final = {"Ki": 1, "Mi": 1024, "Gi": 1024**2, "Ti": 1024**3}
 
 MEMORY_ACCEPTED: Final = (
@@ -63,13 +66,22 @@ class SpecError(ValueError):
     """One rejected field; ``str()`` is the user-facing message."""
 
 
+QUOTE_MAX_CHARS: Final = 64  # a message shows at most this much of a rejected value
+
+
 def _q(value: object) -> str:
-    """Quote a value for a message the way the user wrote it."""
+    """Quote a value for a message the way the user wrote it (a long one cut, with its length, so a
+    hostile annotation cannot make every message, condition and log entry about it huge)."""
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        shown = value if len(value) <= QUOTE_MAX_CHARS else value[:QUOTE_MAX_CHARS]
+        quoted = '"' + shown.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return quoted if shown is value else f"{quoted}... ({len(value)} characters)"
     if isinstance(value, bool):
         return "true" if value else "false"
-    return repr(value)
+    if isinstance(value, int) and value.bit_length() > 60:  # repr() of > 4300 digits raises
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= QUOTE_MAX_CHARS else f"{text[:QUOTE_MAX_CHARS]}... ({len(text)} characters)"
 
 
 def _dict(value: object) -> JSON:

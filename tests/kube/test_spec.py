@@ -211,3 +211,23 @@ def test_vm_observation() -> None:
     obs = vm_observation(vm(image="x"), gone=True)
     assert obs.key == "vm:ns1/db" and obs.uid == "v-1" and obs.resource_version == 7 and obs.gone
     assert key_of_vm(vm()) == Key("vm", "ns1", "db")
+
+
+@pytest.mark.parametrize("ann", ["vmfence.io/cpus", "vmfence.io/memory", "vmfence.io/probe-port"])
+@pytest.mark.parametrize("digits", [19, 4301, 100_000])
+def test_a_number_of_any_length_is_a_spec_error_never_an_exception(ann: str, digits: int) -> None:
+    """More than 4300 digits made int() raise a plain ValueError, which stopped the watcher for every
+    pod (issue 10, finding 1); the message shows a bounded part of the value."""
+    spec, invalid = spec_of_pod(pod({ann: "9" * digits}))
+    assert invalid is not None and invalid.startswith(f"{ann}: ")
+    assert f"({digits} characters)" in invalid or digits <= 64
+    assert len(invalid) < 400
+    assert spec == Spec()
+
+
+@pytest.mark.parametrize("field", ["cpus", "memory"])
+def test_a_huge_json_integer_in_a_vm_spec_is_a_spec_error(field: str) -> None:
+    """A JSON integer of thousands of digits: out of range, and the message does not try to print it
+    (repr() of more than 4300 digits raises)."""
+    _spec, invalid = spec_of_vm(vm(image="x", **{field: 10**5000}))
+    assert invalid is not None and f"spec.{field}" in invalid and "bits" in invalid and len(invalid) < 400

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -223,3 +224,39 @@ async def test_missing_crd_does_not_block_readiness(
             await tap.wait(lambda s: s.obs.uid == uid)
     finally:
         await watcher_api.close()
+
+
+async def test_one_unreadable_object_is_dead_lettered_and_the_watch_goes_on(
+    kubeconfig: str,
+    core: client.CoreV1Api,
+    provisioned: JetStreamContext,
+    subjects: Subjects,
+    tap: Tap,
+    monkeypatch: Any,
+) -> None:
+    """Issue 10, finding 1: a pod whose annotation made reading it raise stopped the watch for every
+    pod (it restarted from the same resourceVersion forever). A 5000-digit number is now a spec
+    error like any other; and any other failure to read one object dead-letters that object, in the
+    list as in the watch, while later objects are still observed."""
+    import services.watcher.watch as watch_mod
+
+    real = watch_mod.pod_observation
+
+    def flaky(obj: dict[str, Any], **kw: Any) -> Any:
+        if (obj.get("metadata") or {}).get("name", "").startswith("cursed"):
+            raise RuntimeError("an unforeseen defect in this object")
+        return real(obj, **kw)
+
+    monkeypatch.setattr(watch_mod, "pod_observation", flaky)
+    await create(core, "cursed-listed")  # met by the first list
+    async with running_watcher(kubeconfig, provisioned, subjects):
+        huge = await create(core, "huge", annotations={"vmfence.io/cpus": "9" * 5000})
+        bad = (await tap.wait(lambda s: s.obs.uid == huge["metadata"]["uid"]))[0]
+        assert bad.obs.invalid is not None and "(5000 characters)" in bad.obs.invalid
+        await create(core, "cursed-watched")  # met by the watch
+        after = await create(core, "after")
+        await tap.wait(lambda s: s.obs.uid == after["metadata"]["uid"])
+    letters = [m async for m in read_stream(provisioned, subjects.stream_dlq)]
+    names = sorted(json.loads(m.data)["name"] for m in letters)
+    assert names == ["cursed-listed", "cursed-watched"]
+    assert all("unreadable pod: RuntimeError" in m.headers["Vmfence-Reason"] for m in letters)
