@@ -1,4 +1,5 @@
-"""Shared fixtures: a fresh embedded nats-server per test and a connected JetStream context.
+"""Shared fixtures: a fresh embedded nats-server per test and a connected JetStream context, and
+the hypothesis profiles every property test runs under.
 
 Keep this small; test folders add their own fixtures in their own conftest.py.
 """
@@ -10,16 +11,33 @@ import contextlib
 import gc
 import inspect
 import io
+import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 from nats.js import JetStreamContext
 
 from services.testbed.natsserver import NatsServer, nats_server_binary, start_nats
 from shared.bus.connect import connect
 from shared.tasks import await_chain
+
+# ------------------------------------------------------------------ hypothesis profiles
+#
+# ci (the default): derandomized — the examples come from a seed derived from each test, so every
+#   run of the same code explores exactly the same examples — and no example database (a database
+#   replays earlier failures first, so two runs would differ by what a previous one left behind).
+#   A failure prints the ``@reproduce_failure`` line that replays it (print_blob).
+# long: many more examples from a fresh random seed each run (``--hypothesis-seed=N`` fixes it),
+#   with the local database (.hypothesis/) so a failure found is replayed first next time.
+# Chosen by ``--hypothesis-profile=NAME`` (wins) or VMFENCE_HYPOTHESIS_PROFILE; ``make test`` runs
+# ci, ``make property-long`` runs long. Tests scale their own example counts from max_examples.
+HYPOTHESIS_PROFILE_ENV = "VMFENCE_HYPOTHESIS_PROFILE"
+settings.register_profile("ci", max_examples=500, derandomize=True, database=None, print_blob=True, deadline=None)
+settings.register_profile("long", max_examples=10_000, derandomize=False, print_blob=True, deadline=None)
+settings.load_profile(os.environ.get(HYPOTHESIS_PROFILE_ENV) or "ci")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,8 @@
 """Random interleavings of everything the world can do; the audit and the agents' own records are
-the oracles."""
+the oracles.
+
+How many examples, and from which seed, is the active hypothesis profile's (tests/conftest.py: ci,
+derandomized, by default; ``make property-long`` for many more): the counts below scale with it."""
 
 from __future__ import annotations
 
@@ -8,6 +11,10 @@ from hypothesis import strategies as st
 
 from services.testbed.world import World
 from shared.fence.schema import Spec
+
+# the profile is loaded before test modules are collected (conftest, then --hypothesis-profile)
+EXAMPLES = settings.default.max_examples
+CHURN_EXAMPLES = max(1, EXAMPLES * 3 // 5)
 
 ACTIONS = (
     "create", "create_adopt", "delete", "force_recreate", "force_delete_unobserved", "hibernate",
@@ -75,7 +82,7 @@ def _check_quiescent(world: World) -> None:
                 assert vm.owner == cur.fence
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_random_interleavings_keep_every_invariant(data: st.DataObject) -> None:
     world = World(keys=2)
@@ -83,7 +90,7 @@ def test_random_interleavings_keep_every_invariant(data: st.DataObject) -> None:
     _check_quiescent(world)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=CHURN_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_fast_churn_of_one_key(data: st.DataObject) -> None:
     world = World(keys=1)
