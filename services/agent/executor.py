@@ -31,6 +31,7 @@ from services.agent.runtime import (
     VMInfo,
     VMSpec,
 )
+from shared.fence.agentfence import fence_verdict, mark_verdict, raises_mark, refusal
 from shared.fence.schema import NO_INCARNATION, Command, CommandResult, Fence, Inventoried, Spec
 
 log = logging.getLogger("vmfence.agent.executor")
@@ -80,25 +81,6 @@ def labels_fence(labels: dict[str, str]) -> Fence | None:
         return None
 
 
-# a remove carries the VM owner's own (possibly old) fence; surveys and inspections touch nothing
-KEY_FENCE_EXEMPT = ("remove", "survey", "inspect")
-
-
-def fence_verdict(op: str, fence: Fence, owner: Fence | None) -> str | None:
-    """None if ``op`` under ``fence`` may touch a VM owned by ``owner``, else why not (rule 4)."""
-    if owner is None or fence == owner:
-        return None
-    if fence.key != owner.key:
-        return f"VM belongs to key {owner.key!r}"
-    if fence.epoch < owner.epoch:
-        return f"fence epoch {fence.epoch} is older than the owner's {owner.epoch}"
-    if fence.epoch == owner.epoch:
-        return f"owner at epoch {owner.epoch} is uid {owner.uid}"
-    if op in ("remove", "adopt", "inspect"):
-        return None  # a newer incarnation may collect, adopt or look at its predecessor's VM
-    return f"VM is owned by epoch {owner.epoch}; only adopt moves ownership"
-
-
 @dataclass
 class Executor:
     """Runs commands against one driver and ledger; see the module docstring for the rules."""
@@ -122,17 +104,16 @@ class Executor:
             if stored is not None:
                 log.info("redelivered command answered from the ledger", extra=cmd_fields(cmd))
                 return stored, True
-            why = None if cmd.op in KEY_FENCE_EXEMPT else self._key_refusal(cmd.fence)
+            fence = cmd.fence
+            why = mark_verdict(cmd.op, fence, self.ledger.key_mark(fence.key), self.ledger.key_mark_uid(fence.key))
             if why is not None:
                 # a newer fence of this key was already seen here (a successor, or a rebuilt log's
                 # survey), or this epoch under another incarnation (the log lost the entry that gave
                 # it out): nothing decided under it may make or wake a VM
                 result: CommandResult = await self._answer(cmd, "fenced", why)
             else:
-                if cmd.op != "remove":
-                    # a survey under an epoch the log gave to no incarnation (fence uid ""):
-                    # nothing may run at that epoch here
-                    await self.ledger.raise_key_mark(cmd.fence.key, cmd.fence.epoch, cmd.fence.uid or NO_INCARNATION)
+                if raises_mark(cmd.op):
+                    await self.ledger.raise_key_mark(fence.key, fence.epoch, fence.uid or NO_INCARNATION)
                 handler = getattr(self, f"_op_{cmd.op}")
                 result = await handler(cmd)
             level = logging.INFO if result.outcome in ("ok", "not_found") else logging.WARNING
@@ -142,15 +123,6 @@ class Executor:
             return result, False
 
     # ------------------------------------------------------------------ helpers
-    def _key_refusal(self, fence: Fence) -> str | None:
-        """Why the key's mark forbids a command under ``fence`` (None: it does not)."""
-        mark, mark_uid = self.ledger.key_mark(fence.key), self.ledger.key_mark_uid(fence.key)
-        if fence.epoch < mark:
-            return f"fence epoch {fence.epoch} is older than epoch {mark} seen for the key"
-        if fence.epoch == mark and mark_uid and fence.uid and fence.uid != mark_uid:
-            return f"epoch {mark} of the key belongs to uid {mark_uid} here, not {fence.uid}"
-        return None
-
     def _result(self, cmd: Command, outcome: Outcome, *, error: str | None = None,
                 info: VMInfo | None = None, snapshot: str | None = None,
                 found: list[Inventoried] | None = None) -> CommandResult:
@@ -210,12 +182,10 @@ class Executor:
         return await self._timed(self.driver.inspect(vm_id))
 
     def _refusal(self, cmd: Command) -> str | None:
-        """Why the ledger forbids this command: a tombstone (for ops that bring a VM up) or the
-        owner fence."""
+        """Why the ledger forbids this command: a tombstone or the owner fence (the kernel's tables)."""
         tomb = self.ledger.tombstone(cmd.vm_id)
-        if tomb is not None and cmd.op in ("create", "start", "wake"):
-            return f"vm {cmd.vm_id} was {tomb.reason}; a vm_id is never brought back"
-        return fence_verdict(cmd.op, cmd.fence, self.ledger.owner(cmd.vm_id))
+        return refusal(cmd.op, cmd.fence, cmd.vm_id, self.ledger.owner(cmd.vm_id),
+                       tomb.reason if tomb is not None else None)
 
     # ------------------------------------------------------------------ ops
     async def _op_create(self, cmd: Command) -> CommandResult:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services.agent.executor import fence_verdict
 from services.agent.ledger import Ledger, ReservationConflict, VMRow
+from shared.fence.agentfence import fence_verdict
 from shared.fence.schema import CommandResult, Spec
 
 from .conftest import fence
