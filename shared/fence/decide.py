@@ -42,7 +42,8 @@ no rule has to remember to write status.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -51,6 +52,7 @@ from shared.fence.schema import (
     SURVEY_VM_ID,
     Admitted,
     Adopted,
+    AdoptTimer,
     Bound,
     Command,
     Commanded,
@@ -62,6 +64,7 @@ from shared.fence.schema import (
     DeleteClaimed,
     Discovered,
     Done,
+    EventReason,
     EvictionDeferred,
     EvictionRequested,
     Failed,
@@ -73,23 +76,37 @@ from shared.fence.schema import (
     KubeWrite,
     Observed,
     Placed,
+    PlaceTimer,
     PodStatusIntent,
     ProbeChanged,
     ReadyChanged,
     Rebuilt,
     Released,
+    ReleaseReason,
     Restarting,
+    RestartTimer,
+    ResultOutcome,
+    RetryTimer,
+    RewriteTimer,
     Skipped,
+    SkipReason,
     Spec,
     SpecChanged,
+    StatusReason,
     Succeeded,
     Superseded,
+    SurveyTimer,
     TimerArmed,
     TimerFired,
+    TimerPurpose,
+    UnknownTimer,
     VMExited,
     VMGone,
     WriteDone,
+    WriteOutcome,
     WriteRequested,
+    WriteVerb,
+    purpose_text,
 )
 from shared.fence.state import Incarnation, KeyState, VMRec, fold
 from shared.fence.state import vm_name as _vm_name
@@ -166,25 +183,7 @@ def decide(state: KeyState, inp: Input, env: DecideEnv | None = None) -> list[De
         # detected cut; the survey rediscovers what this input said.
         _rebuild(run, agent_epoch(state, inp), why)
         return run.out
-    match inp:
-        case Observed():
-            _on_observed(run, inp)
-        case ConfirmedRead():
-            _on_confirmed(run, inp)
-        case CommandResult():
-            _on_result(run, inp)
-        case VMExited():
-            _on_exited(run, inp)
-        case VMGone():
-            _on_gone(run, inp)
-        case ProbeChanged():
-            _on_probe(run, inp)
-        case Inventoried():
-            _on_inventory(run, inp)
-        case WriteDone():
-            _on_write_done(run, inp)
-        case TimerFired():
-            _on_timer(run, inp)
+    _INPUTS[type(inp)](run, inp)
     _sync_status(run)
     return run.out
 
@@ -355,7 +354,7 @@ def _bring_up(run: _Run) -> None:
     host = _place(run.env, cur.spec)
     if host is None:
         run.add(Skipped("no_host", cur.fence.uid, "no live host fits; retrying"))
-        _arm(run, cur.fence, "place", PLACE_RETRY_S)
+        _arm(run, cur.fence, PlaceTimer(), PLACE_RETRY_S)
         return
     vm_id = _vm_name(s.key, cur.fence.uid, cur.gen + 1)
     run.add(Placed(cur.fence, vm_id, host))
@@ -378,7 +377,7 @@ def _verify_first(run: _Run) -> bool:
 def _verifying(s: KeyState) -> bool:
     """A survey round sent since the load is out, or a retry of one is armed."""
     return bool(s.verifying) or (
-        s.unverified and any(isinstance(e, TimerArmed) and e.purpose == "survey" for e in s.outbox.values())
+        s.unverified and any(isinstance(e, TimerArmed) and isinstance(e.timer, SurveyTimer) for e in s.outbox.values())
     )
 
 
@@ -398,7 +397,20 @@ def _place(env: DecideEnv, spec: Spec) -> str | None:
 # ---------------------------------------------------------------------------------- results
 
 
+class _Answer(msgspec.Struct, frozen=True):
+    """An agent's answer to a command still outstanding, with what its rule needs: the key's record
+    of the VM on that host, the current incarnation, and whether a rebuild was under way before the
+    answer's ``Done`` (the Done of a round's last survey answer ends the rebuild it belongs to)."""
+
+    cmd: Command
+    r: CommandResult
+    rec: VMRec | None
+    cur: Incarnation | None
+    rebuilding: bool
+
+
 def _on_result(run: _Run, r: CommandResult) -> None:
+    """Finds the cell (command op, outcome) of ``_RESULTS``; the op is the one the log commanded."""
     s = run.s
     pending = s.outbox.get(r.command_id)
     if not isinstance(pending, Commanded):
@@ -407,93 +419,168 @@ def _on_result(run: _Run, r: CommandResult) -> None:
     if cmd.fence != r.fence or cmd.vm_id != r.vm_id:
         run.add(Skipped("stale_effect", r.fence.uid, f"result fence does not match command {cmd.id}"))
         return
-    rebuilding = s.rebuilding  # the Done of a round's last survey answer ends the rebuild it belongs to
+    rebuilding = s.rebuilding
     run.add(Done(cmd.id, r.outcome))
-    rec = _rec_on(s, cmd.vm_id, cmd.host)
-    cur = s.cur
-    if r.outcome == "fenced":
-        run.add(Skipped("fenced", r.fence.uid, f"agent refused {cmd.op} of {cmd.vm_id}"))
-        owner = next((i for i in r.found if i.vm_id == cmd.vm_id), None)
-        if owner is not None and owner.fence.key == s.key:
-            # the VM exists under a newer fence of this key (an adopt whose answer is still on
-            # its way, or one the log lost): it is still this key's VM, never "gone". Record its
-            # real owner; collect it under that fence unless that is the current incarnation.
-            run.add(Discovered(owner.fence, owner.vm_id, owner.host))
-            if cur is None or cur.fence != owner.fence or cur.deleting:
-                _command(run, "remove", owner.fence, owner.host, owner.vm_id, None)
-            elif cur.vm_id is None and len(s.vms) == 1:
-                # the current fence already owns it and the log never bound it (an adopt of a lost
-                # tail, re-decided otherwise): it is the incarnation's VM; adopt it (rule 8)
-                _command(run, "adopt", cur.fence, owner.host, owner.vm_id, cur.spec)
-            elif cur.vm_id != owner.vm_id:
-                _command(run, "remove", owner.fence, owner.host, owner.vm_id, None)
-            return
-        # otherwise the VM does not exist for us (removed for good, or never made): our record of
-        # it ends here; if it does exist after all, the next inventory brings it back
-        if rec is not None and cmd.op != "survey":
-            run.add(Released(rec.fence, cmd.vm_id, cmd.host, "fenced", cmd.id))
-            if cur is not None and cur.fence == cmd.fence and not cur.deleting:
-                _arm(run, cur.fence, "place", EFFECT_RETRY_S)
-            else:
-                _after_release(run)
+    answer = _Answer(cmd, r, _rec_on(s, cmd.vm_id, cmd.host), s.cur, rebuilding)
+    cell = _RESULTS[cmd.op][r.outcome]
+    if isinstance(cell, CannotHappen):
+        _cannot_happen(run, f"result {cmd.op}/{r.outcome}", cell, r.fence.uid)
+    else:
+        cell(run, answer)
+
+
+def _fenced(run: _Run, a: _Answer) -> None:
+    """The agent refused the command: its fence is older than the VM's owner there (rule 4)."""
+    s, cmd, rec, cur = run.s, a.cmd, a.rec, a.cur
+    run.add(Skipped("fenced", a.r.fence.uid, f"agent refused {cmd.op} of {cmd.vm_id}"))
+    owner = next((i for i in a.r.found if i.vm_id == cmd.vm_id), None)
+    if owner is not None and owner.fence.key == s.key:
+        # the VM exists under a newer fence of this key (an adopt whose answer is still on
+        # its way, or one the log lost): it is still this key's VM, never "gone". Record its
+        # real owner; collect it under that fence unless that is the current incarnation.
+        run.add(Discovered(owner.fence, owner.vm_id, owner.host))
+        if cur is None or cur.fence != owner.fence or cur.deleting:
+            _command(run, "remove", owner.fence, owner.host, owner.vm_id, None)
+        elif cur.vm_id is None and len(s.vms) == 1:
+            # the current fence already owns it and the log never bound it (an adopt of a lost
+            # tail, re-decided otherwise): it is the incarnation's VM; adopt it (rule 8)
+            _command(run, "adopt", cur.fence, owner.host, owner.vm_id, cur.spec)
+        elif cur.vm_id != owner.vm_id:
+            _command(run, "remove", owner.fence, owner.host, owner.vm_id, None)
         return
-    if r.outcome == "inconclusive" and cmd.op != "survey":
-        if cmd.op == "adopt" and s.is_current(cmd.fence):
-            _arm(run, cmd.fence, f"adopt/{cmd.vm_id}", EFFECT_RETRY_S)
-        elif rec is not None:
-            _arm(run, rec.fence, f"retry/{cmd.op}/{cmd.vm_id}", EFFECT_RETRY_S)
+    # otherwise the VM does not exist for us (removed for good, or never made): our record of
+    # it ends here; if it does exist after all, the next inventory brings it back
+    if rec is not None and cmd.op != "survey":
+        run.add(Released(rec.fence, cmd.vm_id, cmd.host, "fenced", cmd.id))
+        if cur is not None and cur.fence == cmd.fence and not cur.deleting:
+            _arm(run, cur.fence, PlaceTimer(), EFFECT_RETRY_S)
+        else:
+            _after_release(run)
+
+
+def _retry(run: _Run, a: _Answer) -> None:
+    """Inconclusive (or a remove that failed): the same op again for the VM's owner (rule 12)."""
+    if a.rec is not None:
+        _arm(run, a.rec.fence, RetryTimer(a.cmd.op, a.cmd.vm_id), EFFECT_RETRY_S)
+
+
+def _up_ok(run: _Run, a: _Answer) -> None:
+    """A create, start or wake took: bound if its fence is current, else removed (no leak)."""
+    s, cmd, rec, cur = run.s, a.cmd, a.rec, a.cur
+    if rec is None or rec.state == "removing":
+        return  # a remove is already queued behind it on the same host
+    if cur is not None and cur.fence == cmd.fence and not cur.deleting and cur.vm_id == cmd.vm_id:
+        run.add(Bound(cur.fence, cmd.vm_id, cmd.host, cmd.id, a.r.ip, a.r.vnc_port))
+        _event(run, cur.fence, "Started", f"VM {cmd.vm_id} running on {cmd.host}")
+        if cur.spec.hibernate:
+            _hibernate(run, cur)
         return
-    match cmd.op:
-        case "create" | "start" | "wake":
-            _result_up(run, cmd, r)
-        case "remove":
-            if r.outcome in ("ok", "not_found"):
-                if rec is not None:
-                    run.add(Released(rec.fence, cmd.vm_id, cmd.host, "removed", cmd.id))
-                    _after_release(run)
-            elif rec is not None:
-                _arm(run, rec.fence, f"retry/remove/{cmd.vm_id}", EFFECT_RETRY_S)
-        case "hibernate":
-            if r.outcome == "ok" and r.snapshot is not None and rec is not None:
-                run.add(Hibernated(rec.fence, cmd.vm_id, cmd.host, r.snapshot))
-                if cur is not None and cur.fence == rec.fence:
-                    _event(run, cur.fence, "Hibernated", f"snapshot {r.snapshot} on {cmd.host}")
-                _after_release(run)  # finishes a delete, or wakes if unhibernated meanwhile
-            elif rec is not None:
-                run.add(Skipped("hibernate_failed", r.fence.uid, r.error or ""))
-                if cur is not None and cur.fence == rec.fence and not cur.deleting:
-                    run.add(Bound(cur.fence, cmd.vm_id, cmd.host, cmd.id, cur.ip, cur.vnc_port))
-                else:
-                    _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
-        case "adopt":
-            if rec is None:
-                return
-            if r.outcome == "ok":
-                run.add(Adopted(cmd.fence, cmd.vm_id, cmd.host, cmd.id))
-                if cur is not None and cur.fence == cmd.fence and not cur.deleting:
-                    run.add(Bound(cur.fence, cmd.vm_id, cmd.host, cmd.id, r.ip, r.vnc_port))
-                    _event(run, cur.fence, "Adopted", f"VM {cmd.vm_id} on {cmd.host}")
-                    state = next((i.state for i in r.found if i.vm_id == cmd.vm_id), "running")
-                    if state == "exited":
-                        # adopted while it was down (its predecessor's restart died with that
-                        # fence): the successor's restart policy takes over, or it stays down forever
-                        _on_exited(run, VMExited(cur.fence, cmd.host, cmd.vm_id, None))
-                    elif cur.spec.hibernate:
-                        _hibernate(run, cur)
-                else:
-                    _command(run, "remove", cmd.fence, cmd.host, cmd.vm_id, None)
-            else:
-                run.add(Released(rec.fence, cmd.vm_id, cmd.host, "lost", cmd.id))
-                _after_release(run)
-        case "survey":
-            if r.outcome == "ok":
-                for item in r.found:
-                    if item.vm_id not in s.vms:
-                        _discover(run, item, rebuilding)
-                if not s.rebuilding and not _verifying(s):
-                    _after_release(run)  # (still unverified after a round from an older epoch: another)
-            else:
-                _arm(run, cmd.fence, "survey", EFFECT_RETRY_S)
+    reason: SkipReason = "superseded" if s.is_tombstoned(cmd.fence.uid) else "stale_effect"
+    run.add(Skipped(reason, cmd.fence.uid, f"{cmd.op} of {cmd.vm_id} finished after its fence ended"))
+    _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
+
+
+_UP_FAILED: dict[CommandOp, ReleaseReason] = {
+    "create": "create_failed", "start": "start_failed", "wake": "wake_failed"
+}
+
+
+def _up_failed(run: _Run, a: _Answer) -> None:
+    """A create, start or wake failed (or found no VM): release the claim, place again."""
+    cmd, rec, cur = a.cmd, a.rec, a.cur
+    if rec is not None and rec.fence == cmd.fence:
+        # a failed bring-up releases only a claim it still owns (rule 2): a start of a VM that a
+        # successor adopted meanwhile (its answer re-sent from the agent's ledger after the
+        # adopt's) must not release the successor's VM (tests/unit/test_rule2_claim.py)
+        run.add(Released(cmd.fence, cmd.vm_id, cmd.host, _UP_FAILED[cmd.op], cmd.id))
+    if cur is not None and cur.fence == cmd.fence and not cur.deleting:
+        _event(run, cur.fence, "FailedCreate", a.r.error or f"{cmd.op} failed", warning=True)
+        _arm(run, cur.fence, PlaceTimer(), EFFECT_RETRY_S)
+    else:
+        _after_release(run)
+
+
+def _removed(run: _Run, a: _Answer) -> None:
+    """The VM is gone from its host: released; a delete finishes or a successor comes up."""
+    if a.rec is not None:
+        run.add(Released(a.rec.fence, a.cmd.vm_id, a.cmd.host, "removed", a.cmd.id))
+        _after_release(run)
+
+
+def _hibernated(run: _Run, a: _Answer) -> None:
+    """The snapshot is made and recorded in the log (rule 10); an answer without one failed."""
+    cmd, rec, cur, snapshot = a.cmd, a.rec, a.cur, a.r.snapshot
+    if rec is None:
+        return
+    if snapshot is None:
+        _hibernate_failed(run, a)
+        return
+    run.add(Hibernated(rec.fence, cmd.vm_id, cmd.host, snapshot))
+    if cur is not None and cur.fence == rec.fence:
+        _event(run, cur.fence, "Hibernated", f"snapshot {snapshot} on {cmd.host}")
+    _after_release(run)  # finishes a delete, or wakes if unhibernated meanwhile
+
+
+def _hibernate_failed(run: _Run, a: _Answer) -> None:
+    """The VM keeps running: bound again if its fence is current, else removed."""
+    cmd, rec, cur = a.cmd, a.rec, a.cur
+    if rec is None:
+        return
+    run.add(Skipped("hibernate_failed", a.r.fence.uid, a.r.error or ""))
+    if cur is not None and cur.fence == rec.fence and not cur.deleting:
+        run.add(Bound(cur.fence, cmd.vm_id, cmd.host, cmd.id, cur.ip, cur.vnc_port))
+    else:
+        _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
+
+
+def _adopted(run: _Run, a: _Answer) -> None:
+    """The agent's inspect confirmed the VM (rule 8): it is the current incarnation's, or removed."""
+    cmd, cur = a.cmd, a.cur
+    if a.rec is None:
+        return
+    run.add(Adopted(cmd.fence, cmd.vm_id, cmd.host, cmd.id))
+    if cur is None or cur.fence != cmd.fence or cur.deleting:
+        _command(run, "remove", cmd.fence, cmd.host, cmd.vm_id, None)
+        return
+    run.add(Bound(cur.fence, cmd.vm_id, cmd.host, cmd.id, a.r.ip, a.r.vnc_port))
+    _event(run, cur.fence, "Adopted", f"VM {cmd.vm_id} on {cmd.host}")
+    state = next((i.state for i in a.r.found if i.vm_id == cmd.vm_id), "running")
+    if state == "exited":
+        # adopted while it was down (its predecessor's restart died with that
+        # fence): the successor's restart policy takes over, or it stays down forever
+        _on_exited(run, VMExited(cur.fence, cmd.host, cmd.vm_id, None))
+    elif cur.spec.hibernate:
+        _hibernate(run, cur)
+
+
+def _adopt_lost(run: _Run, a: _Answer) -> None:
+    """The runtime does not know the VM: it leaves the index; a new one is made (rule 8)."""
+    if a.rec is not None:
+        run.add(Released(a.rec.fence, a.cmd.vm_id, a.cmd.host, "lost", a.cmd.id))
+        _after_release(run)
+
+
+def _adopt_again(run: _Run, a: _Answer) -> None:
+    """An inconclusive inspect is retried, never trusted (rule 8)."""
+    if run.s.is_current(a.cmd.fence):
+        _arm(run, a.cmd.fence, AdoptTimer(a.cmd.vm_id), EFFECT_RETRY_S)
+    else:
+        _retry(run, a)
+
+
+def _surveyed(run: _Run, a: _Answer) -> None:
+    """A host said what it has of the key: each VM unknown to the log is discovered."""
+    s = run.s
+    for item in a.r.found:
+        if item.vm_id not in s.vms:
+            _discover(run, item, a.rebuilding)
+    if not s.rebuilding and not _verifying(s):
+        _after_release(run)  # (still unverified after a round from an older epoch: another)
+
+
+def _resurvey(run: _Run, a: _Answer) -> None:
+    """A survey without an answer is asked again: no VM is made on a guess."""
+    _arm(run, a.cmd.fence, SurveyTimer(), EFFECT_RETRY_S)
 
 
 def _rec_on(s: KeyState, vm_id: str, host: str) -> VMRec | None:
@@ -502,33 +589,6 @@ def _rec_on(s: KeyState, vm_id: str, host: str) -> VMRec | None:
     old one must not touch the new one's record."""
     rec = s.vms.get(vm_id)
     return rec if rec is not None and rec.host == host else None
-
-
-def _result_up(run: _Run, cmd: Command, r: CommandResult) -> None:
-    s = run.s
-    rec = _rec_on(s, cmd.vm_id, cmd.host)
-    cur = s.cur
-    if r.outcome != "ok":
-        if rec is not None and rec.fence == cmd.fence:
-            # a failed bring-up releases only a claim it still owns (rule 2)
-            run.add(Released(cmd.fence, cmd.vm_id, cmd.host, f"{cmd.op}_failed", cmd.id))
-        if cur is not None and cur.fence == cmd.fence and not cur.deleting:
-            _event(run, cur.fence, "FailedCreate", r.error or f"{cmd.op} failed", warning=True)
-            _arm(run, cur.fence, "place", EFFECT_RETRY_S)
-        else:
-            _after_release(run)
-        return
-    if rec is None or rec.state == "removing":
-        return  # a remove is already queued behind it on the same host
-    if cur is not None and cur.fence == cmd.fence and not cur.deleting and cur.vm_id == cmd.vm_id:
-        run.add(Bound(cur.fence, cmd.vm_id, cmd.host, cmd.id, r.ip, r.vnc_port))
-        _event(run, cur.fence, "Started", f"VM {cmd.vm_id} running on {cmd.host}")
-        if cur.spec.hibernate:
-            _hibernate(run, cur)
-        return
-    reason = "superseded" if s.is_tombstoned(cmd.fence.uid) else "stale_effect"
-    run.add(Skipped(reason, cmd.fence.uid, f"{cmd.op} of {cmd.vm_id} finished after its fence ended"))
-    _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
 
 
 def _after_release(run: _Run) -> None:
@@ -613,7 +673,7 @@ def _on_exited(run: _Run, e: VMExited) -> None:
         )
         run.add(Restarting(cur.fence, e.vm_id, count, backoff))
         _event(run, cur.fence, "BackOff", f"VM exited ({e.exit_code}); restart {count} in {backoff:.0f}s")
-        _arm(run, cur.fence, f"restart/{e.vm_id}", backoff)
+        _arm(run, cur.fence, RestartTimer(e.vm_id), backoff)
         return
     if not failed:
         run.add(Succeeded(cur.fence))
@@ -799,7 +859,7 @@ def _survey(run: _Run) -> None:
     owner = s.cur.fence.uid if s.cur is not None else s.epoch_uid
     fence = Fence(s.key, "" if owner == NO_INCARNATION else owner, s.epoch)
     if not run.env.hosts:
-        _arm(run, fence, "survey", PLACE_RETRY_S)
+        _arm(run, fence, SurveyTimer(), PLACE_RETRY_S)
         return
     for host in run.env.hosts:
         _command(run, "survey", fence, host.name, SURVEY_VM_ID, None)
@@ -809,6 +869,7 @@ def _survey(run: _Run) -> None:
 
 
 def _on_write_done(run: _Run, w: WriteDone) -> None:
+    """Finds the cell of ``_WRITES`` for the outcome of a write still outstanding (rule 6)."""
     s = run.s
     pending = s.outbox.get(w.write_id)
     if not isinstance(pending, WriteRequested):
@@ -817,58 +878,107 @@ def _on_write_done(run: _Run, w: WriteDone) -> None:
     cur = s.cur
     if cur is None or cur.fence != w.fence:
         return
-    write = pending.write
-    if w.outcome == "ok":
-        if write.verb == "delete":
-            _forget(run, cur)
-        return
-    if w.outcome == "superseded":
-        run.add(Skipped("superseded_write", cur.fence.uid, f"{write.verb} hit another incarnation"))
-        _request_confirm(run, cur.fence.uid)
-    elif w.outcome == "gone":
-        _delete_path(run, cur, gone=True)
-    else:
-        _arm(run, cur.fence, f"rewrite/{write.verb}", EFFECT_RETRY_S)
+    _WRITES[w.outcome](run, cur, pending.write)
+
+
+def _written(run: _Run, cur: Incarnation, write: KubeWrite) -> None:
+    """The write took; the final delete of the object ends the incarnation."""
+    if write.verb == "delete":
+        _forget(run, cur)
+
+
+def _write_superseded(run: _Run, cur: Incarnation, write: KubeWrite) -> None:
+    """Conflict/Invalid on a uid-carrying write: another incarnation owns the name; ask who."""
+    run.add(Skipped("superseded_write", cur.fence.uid, f"{write.verb} hit another incarnation"))
+    _request_confirm(run, cur.fence.uid)
+
+
+def _write_gone(run: _Run, cur: Incarnation, write: KubeWrite) -> None:
+    """NotFound: the object is gone; the delete path removes the VM."""
+    _delete_path(run, cur, gone=True)
+
+
+def _write_failed(run: _Run, cur: Incarnation, write: KubeWrite) -> None:
+    """Any other failure: the same write again later (a timer: re-check, never destroy)."""
+    _arm(run, cur.fence, RewriteTimer(write.verb), EFFECT_RETRY_S)
 
 
 def _on_timer(run: _Run, t: TimerFired) -> None:
+    """Finds the cell of ``_KEY_TIMERS`` (any fence of the key) or ``_CURRENT_TIMERS`` (only the
+    current incarnation's) for the armed timer's typed purpose (rule 12: every one re-checks)."""
     s = run.s
     armed = s.outbox.get(t.timer_id)
     if not isinstance(armed, TimerArmed):
         return
     run.add(Done(t.timer_id, "fired"))
-    purpose = armed.purpose
-    cur = s.cur
-    if purpose == "survey":
-        _survey(run)
-        return
-    if purpose.startswith("retry/"):
-        _, op, vm_id = purpose.split("/", 2)
-        rec = s.vms.get(vm_id)
-        if rec is not None and rec.fence == t.fence:
-            _command(run, "remove" if op == "remove" else op, rec.fence, rec.host, vm_id, None)  # type: ignore[arg-type]
-        return
-    if cur is None or cur.fence != t.fence:
-        _skip_foreign(run, t.fence, f"timer {purpose}")
-        return
-    if purpose == "place":
-        _bring_up(run)
-    elif purpose.startswith("restart/"):
-        vm_id = purpose.split("/", 1)[1]
-        rec = s.vms.get(vm_id)
-        if rec is not None and cur.vm_id == vm_id and not cur.deleting:
-            _command(run, "start", cur.fence, rec.host, vm_id, cur.spec)
-    elif purpose.startswith("adopt/"):
-        vm_id = purpose.split("/", 1)[1]
-        rec = s.vms.get(vm_id)
-        if rec is not None and not cur.deleting:
-            _command(run, "adopt", cur.fence, rec.host, vm_id, cur.spec)
-    elif purpose == "rewrite/status":
-        write = KubeWrite(run.effect_id("status"), "status", cur.fence, status=status_of(cur))
-        run.add(WriteRequested(write))
-    elif purpose == "rewrite/delete":
-        _finish_delete(run, cur)
-    elif purpose == "rewrite/evict" and cur.evicting and not cur.delete_claim:
+    purpose = armed.timer
+    kind = type(purpose)
+    if kind in _KEY_TIMERS:
+        cell: TimerRule | CannotHappen = _KEY_TIMERS[kind]
+    else:
+        cur = s.cur
+        if cur is None or cur.fence != t.fence:
+            _skip_foreign(run, t.fence, f"timer {armed.purpose}")
+            return
+        cell = _CURRENT_TIMERS[kind]
+    if isinstance(cell, CannotHappen):
+        _cannot_happen(run, f"timer {armed.purpose}", cell, t.fence.uid)
+    else:
+        cell(run, t.fence, purpose)
+
+
+def _timer_survey(run: _Run, fence: Fence, p: SurveyTimer) -> None:
+    _survey(run)
+
+
+def _timer_retry(run: _Run, fence: Fence, p: RetryTimer) -> None:
+    """The op again, for the VM's owner as long as it still owns it (a predecessor's remove too)."""
+    rec = run.s.vms.get(p.vm_id)
+    if rec is not None and rec.fence == fence:
+        _command(run, p.op, rec.fence, rec.host, p.vm_id, None)
+
+
+def _timer_place(run: _Run, fence: Fence, p: PlaceTimer) -> None:
+    _bring_up(run)
+
+
+def _timer_restart(run: _Run, fence: Fence, p: RestartTimer) -> None:
+    """The backoff is over: start the VM in place, unless it changed or a delete began."""
+    cur, rec = run.s.cur, run.s.vms.get(p.vm_id)
+    if cur is not None and rec is not None and cur.vm_id == p.vm_id and not cur.deleting:
+        _command(run, "start", cur.fence, rec.host, p.vm_id, cur.spec)
+
+
+def _timer_adopt(run: _Run, fence: Fence, p: AdoptTimer) -> None:
+    """Inspect again before adopting (rule 8)."""
+    cur, rec = run.s.cur, run.s.vms.get(p.vm_id)
+    if cur is not None and rec is not None and not cur.deleting:
+        _command(run, "adopt", cur.fence, rec.host, p.vm_id, cur.spec)
+
+
+def _timer_rewrite(run: _Run, fence: Fence, p: RewriteTimer) -> None:
+    """Finds the cell of ``_REWRITES`` for the write's verb."""
+    cur = run.s.cur
+    assert cur is not None  # a current-incarnation timer: _on_timer checked it
+    cell = _REWRITES[p.verb]
+    if isinstance(cell, CannotHappen):
+        _cannot_happen(run, f"timer {purpose_text(p)}", cell, cur.fence.uid)
+    else:
+        cell(run, cur)
+
+
+def _rewrite_status(run: _Run, cur: Incarnation) -> None:
+    write = KubeWrite(run.effect_id("status"), "status", cur.fence, status=status_of(cur))
+    run.add(WriteRequested(write))
+
+
+def _rewrite_delete(run: _Run, cur: Incarnation) -> None:
+    _finish_delete(run, cur)
+
+
+def _rewrite_evict(run: _Run, cur: Incarnation) -> None:
+    """Only while the eviction is still wanted: no delete claim came meanwhile (rule 7)."""
+    if cur.evicting and not cur.delete_claim:
         run.add(WriteRequested(KubeWrite(run.effect_id("evict"), "evict", cur.fence, message="VM gone")))
 
 
@@ -895,7 +1005,7 @@ def _wake(run: _Run, cur: Incarnation) -> None:
         return
     host = cur.snapshot_host or _place(run.env, cur.spec)
     if host is None:
-        _arm(run, cur.fence, "place", PLACE_RETRY_S)
+        _arm(run, cur.fence, PlaceTimer(), PLACE_RETRY_S)
         return
     # a restored VM is a new VM instance: it gets a new name, names are never reused
     vm_id = _vm_name(s.key, cur.fence.uid, cur.gen + 1)
@@ -931,17 +1041,20 @@ def _command(
     run.add(Commanded(cmd))
 
 
-def _arm(run: _Run, fence: Fence, purpose: str, delay_s: float) -> None:
-    run.add(TimerArmed(fence, run.effect_id("timer", purpose), delay_s, purpose))
+def _arm(run: _Run, fence: Fence, purpose: TimerPurpose, delay_s: float) -> None:
+    """Timers only ever re-check (rule 12); the purpose is stored, and named in the id, as text."""
+    text = purpose_text(purpose)
+    run.add(TimerArmed(fence, run.effect_id("timer", text), delay_s, text))
 
 
 def _place_pending(s: KeyState, fence: Fence) -> bool:
     return any(
-        isinstance(e, TimerArmed) and e.purpose == "place" and e.fence == fence for e in s.outbox.values()
+        isinstance(e, TimerArmed) and e.fence == fence and isinstance(e.timer, PlaceTimer)
+        for e in s.outbox.values()
     )
 
 
-def _event(run: _Run, fence: Fence, reason: str, message: str, *, warning: bool = False) -> None:
+def _event(run: _Run, fence: Fence, reason: EventReason, message: str, *, warning: bool = False) -> None:
     write = KubeWrite(
         run.effect_id("event"),
         "event",
@@ -955,7 +1068,7 @@ def _event(run: _Run, fence: Fence, reason: str, message: str, *, warning: bool 
 
 def status_of(cur: Incarnation) -> PodStatusIntent:
     """The status a pod (or VirtualMachine) should show, derived from its incarnation."""
-    reason: str | None = None
+    reason: StatusReason | None = None
     if cur.invalid is not None:
         reason = "InvalidSpec"
     elif cur.hibernated:
@@ -991,3 +1104,93 @@ def _sync_status(run: _Run) -> None:
     if cur.status == want:
         return
     run.add(WriteRequested(KubeWrite(run.effect_id("status"), "status", cur.fence, status=want)))
+
+
+# ------------------------------------------------------------------------ the policy tables
+#
+# Every cell of every table is a rule or a named CannotHappen; tests/unit/test_policy_table.py checks
+# that each product is covered and that the reading guide above shows these cells.
+
+
+class CannotHappen(msgspec.Struct, frozen=True):
+    """A cell no input reaches, and why. Should one fire after all, it is logged as
+    ``Skipped(cannot_happen)`` naming the cell (counted by the audit and the reconciler's
+    ``vmfence_pod_lifecycle_total{reason="cannot_happen"}``) and nothing else is done."""
+
+    why: str
+
+
+def _cannot_happen(run: _Run, cell: str, c: CannotHappen, uid: str | None) -> None:
+    run.add(Skipped("cannot_happen", uid or None, f"{cell}: {c.why}"))
+
+
+InputRule = Callable[[_Run, Any], None]  # each takes its own input type: the key is that type
+ResultRule = Callable[[_Run, _Answer], None]
+TimerRule = Callable[[_Run, Fence, Any], None]  # each takes its own purpose type
+WriteRule = Callable[[_Run, Incarnation, KubeWrite], None]
+
+_INPUTS: dict[type, InputRule] = {
+    Observed: _on_observed,
+    ConfirmedRead: _on_confirmed,
+    CommandResult: _on_result,
+    VMExited: _on_exited,
+    VMGone: _on_gone,
+    ProbeChanged: _on_probe,
+    Inventoried: _on_inventory,
+    WriteDone: _on_write_done,
+    TimerFired: _on_timer,
+}
+
+_NOT_COMMANDED = CannotHappen("decide never commands inspect (an adopt inspects on the agent)")
+
+
+def _row(
+    ok: ResultRule | CannotHappen,
+    failed: ResultRule | CannotHappen,
+    fenced: ResultRule | CannotHappen,
+    not_found: ResultRule | CannotHappen,
+    inconclusive: ResultRule | CannotHappen,
+) -> dict[ResultOutcome, ResultRule | CannotHappen]:
+    return {"ok": ok, "failed": failed, "fenced": fenced, "not_found": not_found, "inconclusive": inconclusive}
+
+
+# the op is the command's as the log holds it, never the answer's own claim
+_RESULTS: dict[CommandOp, dict[ResultOutcome, ResultRule | CannotHappen]] = {
+    #                ok           failed             fenced   not_found          inconclusive
+    "create": _row(_up_ok, _up_failed, _fenced, _up_failed, _retry),
+    "start": _row(_up_ok, _up_failed, _fenced, _up_failed, _retry),
+    "wake": _row(_up_ok, _up_failed, _fenced, _up_failed, _retry),
+    "remove": _row(_removed, _retry, _fenced, _removed, _retry),
+    "hibernate": _row(_hibernated, _hibernate_failed, _fenced, _hibernate_failed, _retry),
+    "adopt": _row(_adopted, _adopt_lost, _fenced, _adopt_lost, _adopt_again),
+    "survey": _row(_surveyed, _resurvey, _fenced, _resurvey, _resurvey),
+    "inspect": _row(_NOT_COMMANDED, _NOT_COMMANDED, _NOT_COMMANDED, _NOT_COMMANDED, _NOT_COMMANDED),
+}
+
+_WRITES: dict[WriteOutcome, WriteRule] = {
+    "ok": _written,
+    "superseded": _write_superseded,
+    "gone": _write_gone,
+    "failed": _write_failed,
+}
+
+# timers for the key or a VM's owner, whichever incarnation is current
+_KEY_TIMERS: dict[type, TimerRule | CannotHappen] = {
+    SurveyTimer: _timer_survey,
+    RetryTimer: _timer_retry,
+    UnknownTimer: CannotHappen("every purpose decide arms is one of the typed ones"),
+}
+# timers of the current incarnation only: any other fence's is Skipped(superseded | stale_effect)
+_CURRENT_TIMERS: dict[type, TimerRule | CannotHappen] = {
+    PlaceTimer: _timer_place,
+    RestartTimer: _timer_restart,
+    AdoptTimer: _timer_adopt,
+    RewriteTimer: _timer_rewrite,
+}
+
+_REWRITES: dict[WriteVerb, Callable[[_Run, Incarnation], None] | CannotHappen] = {
+    "status": _rewrite_status,
+    "delete": _rewrite_delete,
+    "evict": _rewrite_evict,
+    "event": CannotHappen("events are fire-and-forget: never in the outbox, so never answered"),
+}

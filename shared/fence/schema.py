@@ -9,7 +9,7 @@ can refuse what it does not understand instead of misreading it.
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
@@ -87,6 +87,10 @@ class Inventoried(msgspec.Struct, tag="inventory", frozen=True, omit_defaults=Tr
     v: int = SCHEMA_VERSION
 
 
+ResultOutcome = Literal["ok", "failed", "fenced", "not_found", "inconclusive"]
+WriteOutcome = Literal["ok", "superseded", "gone", "failed"]  # rule 6's vocabulary
+
+
 class CommandResult(msgspec.Struct, tag="result", frozen=True, omit_defaults=True):
     """An agent's answer to one command, stored in its ledger by command id."""
 
@@ -95,7 +99,7 @@ class CommandResult(msgspec.Struct, tag="result", frozen=True, omit_defaults=Tru
     op: str
     host: str
     vm_id: str
-    outcome: Literal["ok", "failed", "fenced", "not_found", "inconclusive"]
+    outcome: ResultOutcome
     error: str | None = None
     ip: str | None = None
     vnc_port: int | None = None
@@ -140,7 +144,7 @@ class WriteDone(msgspec.Struct, tag="write_done", frozen=True, omit_defaults=Tru
 
     fence: Fence
     write_id: str
-    outcome: Literal["ok", "superseded", "gone", "failed"]
+    outcome: WriteOutcome
     detail: str | None = None
     v: int = SCHEMA_VERSION
 
@@ -191,13 +195,21 @@ class Command(msgspec.Struct, frozen=True, omit_defaults=True):
 # --------------------------------------------------------------------------------- k8s writes
 
 
+# why a pod is not simply Running/Pending (the container status reason vmfence writes)
+StatusReason = Literal["InvalidSpec", "Hibernated", "Unschedulable"]
+# the reason of every Kubernetes Event decide writes
+EventReason = Literal[
+    "InvalidSpec", "Superseded", "Hibernated", "Started", "FailedCreate", "Adopted", "BackOff", "VMGone"
+]
+
+
 class PodStatusIntent(msgspec.Struct, frozen=True, omit_defaults=True):
     """The status (and runtime annotations) vmfence wants the object to have. Recorded in the log
     *before* it is written, and re-applied to a fresh object on a resourceVersion conflict."""
 
     phase: Phase
     ready: bool = False
-    reason: str | None = None
+    reason: StatusReason | None = None
     message: str | None = None
     vm_id: str | None = None
     host: str | None = None
@@ -218,12 +230,36 @@ class KubeWrite(msgspec.Struct, frozen=True, omit_defaults=True):
     verb: WriteVerb
     fence: Fence
     status: PodStatusIntent | None = None
-    event_reason: str | None = None
+    event_reason: EventReason | None = None
     event_type: Literal["Normal", "Warning"] = "Normal"
     message: str | None = None
 
 
 # ------------------------------------------------------------------------------------ decisions
+
+# The closed vocabularies of the log. Decoding refuses a value outside them, so each lists every
+# value any writer ever logged (also those no longer produced: exported logs must still replay).
+SkipReason = Literal[
+    "superseded",  # an input for a tombstoned uid (rule 3)
+    "stale_effect",  # work reported for a fence that is no longer current (rule 4)
+    "stale_read",  # an absent answer to a read asked before the current admission
+    "superseded_write",  # a uid-carrying write hit another incarnation (rule 6)
+    "delete_in_flight",  # a second delete while one is claimed (rule 5)
+    "fenced",  # the agent refused a command (its fence is older than the VM's owner)
+    "no_host",  # nothing fits; a place timer re-checks
+    "hibernate_failed",  # the VM stays bound (or is removed if its fence ended)
+    "orphan",  # a VM no live incarnation owns: removed
+    "cannot_happen",  # a policy cell decide.py names impossible fired after all (a bug: look)
+    "invalid_spec",  # older writers only: a rejected spec change (now SpecChanged(invalid))
+]
+ReleaseReason = Literal[
+    "removed", "gone", "lost", "fenced", "create_failed", "start_failed", "wake_failed"
+]
+FailReason = Literal["InvalidSpec", "VMExited"]
+# how an effect ended: an agent's or a write's outcome, a consistent read's answer, a timer firing,
+# or a deferred eviction that the delete it waited for resolved
+DoneOutcome = Literal[ResultOutcome, WriteOutcome, "confirmed", "absent", "fired", "resolved_by_delete"]
+
 
 
 class ConfirmRequested(msgspec.Struct, tag="confirm_requested", frozen=True):
@@ -289,7 +325,7 @@ class Released(msgspec.Struct, tag="released", frozen=True):
     fence: Fence
     vm_id: str
     host: str
-    reason: str
+    reason: ReleaseReason
     command_id: str | None = None
 
 
@@ -327,7 +363,7 @@ class Restarting(msgspec.Struct, tag="restarting", frozen=True):
 
 class Failed(msgspec.Struct, tag="failed", frozen=True):
     fence: Fence
-    reason: str
+    reason: FailReason
     message: str = ""
 
 
@@ -347,18 +383,111 @@ class SpecChanged(msgspec.Struct, tag="spec_changed", frozen=True):
     invalid: str | None = None  # a change that was rejected: the spec stays, the condition shows why
 
 
+class PlaceTimer(msgspec.Struct, frozen=True):
+    """Place the current incarnation's VM again (no host fitted, or a bring-up failed)."""
+
+
+class SurveyTimer(msgspec.Struct, frozen=True):
+    """Survey every host again (none was live, or a survey failed)."""
+
+
+class RestartTimer(msgspec.Struct, frozen=True):
+    """A restart's backoff is over: start the exited VM again (rule 7)."""
+
+    vm_id: str
+
+
+class AdoptTimer(msgspec.Struct, frozen=True):
+    """An adopt's inspect was inconclusive: ask again, never trust it (rule 8)."""
+
+    vm_id: str
+
+
+class RetryTimer(msgspec.Struct, frozen=True):
+    """A command on the VM answered inconclusive (or a remove failed): send it again for its owner."""
+
+    op: CommandOp
+    vm_id: str
+
+
+class RewriteTimer(msgspec.Struct, frozen=True):
+    """A Kubernetes write failed for no reason rule 6 names: write it again."""
+
+    verb: WriteVerb
+
+
+class UnknownTimer(msgspec.Struct, frozen=True):
+    """A stored purpose this version cannot read (no writer arms one): kept, never acted on."""
+
+    text: str
+
+
+TimerPurpose = PlaceTimer | SurveyTimer | RestartTimer | AdoptTimer | RetryTimer | RewriteTimer | UnknownTimer
+
+# str -> the Literal member it spells: how a stored string becomes typed without a cast
+_OPS: dict[str, CommandOp] = {op: op for op in get_args(CommandOp)}
+_VERBS: dict[str, WriteVerb] = {verb: verb for verb in get_args(WriteVerb)}
+
+
+def purpose_text(p: TimerPurpose) -> str:
+    """The stored form of a purpose (``TimerArmed.purpose``, and part of the timer's id)."""
+    match p:
+        case PlaceTimer():
+            return "place"
+        case SurveyTimer():
+            return "survey"
+        case RestartTimer(vm_id=vm_id):
+            return f"restart/{vm_id}"
+        case AdoptTimer(vm_id=vm_id):
+            return f"adopt/{vm_id}"
+        case RetryTimer(op=op, vm_id=vm_id):
+            return f"retry/{op}/{vm_id}"
+        case RewriteTimer(verb=verb):
+            return f"rewrite/{verb}"
+        case UnknownTimer(text=text):
+            return text
+
+
+def parse_purpose(text: str) -> TimerPurpose:
+    """The one place a stored purpose string is read: every log ever written keeps the string form,
+    so old entries decode unchanged. Total: what it cannot read is an ``UnknownTimer``."""
+    if text == "place":
+        return PlaceTimer()
+    if text == "survey":
+        return SurveyTimer()
+    kind, _, rest = text.partition("/")
+    if rest:
+        if kind == "restart":
+            return RestartTimer(rest)
+        if kind == "adopt":
+            return AdoptTimer(rest)
+        if kind == "rewrite" and (verb := _VERBS.get(rest)) is not None:
+            return RewriteTimer(verb)
+        name, _, vm_id = rest.partition("/")
+        if kind == "retry" and (op := _OPS.get(name)) is not None and vm_id:
+            return RetryTimer(op, vm_id)
+    return UnknownTimer(text)
+
+
 class TimerArmed(msgspec.Struct, tag="timer_armed", frozen=True):
+    """A re-check due after ``delay_s``. ``purpose`` is the stored string form (see purpose_text);
+    code reads the typed ``timer``."""
+
     fence: Fence
     timer_id: str
     delay_s: float
     purpose: str
+
+    @property
+    def timer(self) -> TimerPurpose:
+        return parse_purpose(self.purpose)
 
 
 class Done(msgspec.Struct, tag="done", frozen=True):
     """An effect (command, write, confirm, timer) is finished and leaves the outbox."""
 
     effect_id: str
-    outcome: str
+    outcome: DoneOutcome
 
 
 class Forgotten(msgspec.Struct, tag="forgotten", frozen=True):
@@ -370,7 +499,7 @@ class Forgotten(msgspec.Struct, tag="forgotten", frozen=True):
 class Skipped(msgspec.Struct, tag="skipped", frozen=True):
     """An input that was not applied, logged because an auditor needs to see it."""
 
-    reason: str
+    reason: SkipReason
     uid: str | None = None
     detail: str = ""
 

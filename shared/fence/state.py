@@ -40,6 +40,7 @@ from shared.fence.schema import (
     SpecChanged,
     Succeeded,
     Superseded,
+    SurveyTimer,
     TimerArmed,
     WriteRequested,
 )
@@ -314,7 +315,7 @@ def _gen_of(key: str, uid: str, vm_id: str) -> int:
 
 def _is_survey(eff: Effect) -> bool:
     return (isinstance(eff, Commanded) and eff.command.op == "survey") or (
-        isinstance(eff, TimerArmed) and eff.purpose == "survey"
+        isinstance(eff, TimerArmed) and isinstance(eff.timer, SurveyTimer)
     )
 
 
