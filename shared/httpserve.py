@@ -44,7 +44,11 @@ class HealthServer:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError:  # the port is taken or the address is not ours: nothing left listening
+            await self.stop()
+            raise
         server = site._server
         sockets = getattr(server, "sockets", None) or []
         if sockets:

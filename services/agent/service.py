@@ -25,7 +25,6 @@ import signal
 import sys
 import time
 import uuid
-from collections import Counter as _Counter
 from collections.abc import Awaitable
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -33,17 +32,15 @@ from typing import Any, Self, TypeVar
 import msgspec
 import nats.errors
 import nats.js.errors
-from aiohttp import web
 from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.kv import KeyValue
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from services.agent.config import AgentConfig, ConfigError, load_config
+from services.agent.config import AgentConfig
 from services.agent.executor import Executor, VMLocks, labels_fence
 from services.agent.ledger import LEDGER_FILE, TRANSIENT_STATES, Ledger
-from services.agent.logs import cmd_fields, fence_fields, setup_logging
+from services.agent.logs import cmd_fields, fence_fields
+from services.agent.metrics import AgentMetrics
 from services.agent.probes import Prober
 from services.agent.runtime import (
     RuntimeDriver,
@@ -53,10 +50,11 @@ from services.agent.runtime import (
 )
 from services.agent.runtime.base import VM_ID_RE
 from shared.bus.append import AppendFailed, publish_input
-from shared.bus.connect import Bus
+from shared.bus.connect import Bus, NatsAuthError
 from shared.bus.deadletter import dead_letter
 from shared.bus.provision import StreamsConfig, provision
 from shared.bus.retry import Retry, backoff_delay
+from shared.config import EXIT_CONFIG, start
 from shared.fence.keys import Key, encode_token
 from shared.fence.schema import (
     SCHEMA_VERSION,
@@ -70,6 +68,7 @@ from shared.fence.schema import (
     decode_command,
     encode,
 )
+from shared.httpserve import HealthServer
 from shared.subjects import Subjects
 from shared.tasks import cancel_and_wait, end_within, run_within, sleep_unless_set
 
@@ -105,28 +104,6 @@ class _StoppedDuringStartup(Exception):
 
 class Malformed(Exception):
     """A command that can never be executed: it goes to the dead-letter stream."""
-
-
-class _Metrics:
-    """Per-agent registry so several agents can live in one process (tests, demo)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.commands = Counter("vmfence_commands", "Commands handled by op and result",
-                                ["op", "result"], registry=self.registry)
-        self.vms = Gauge("vmfence_vms", "VMs in the agent's ledger by state", ["state"],
-                         registry=self.registry)
-        self.reports = Counter("vmfence_agent_reports", "Reports published by kind", ["kind"],
-                               registry=self.registry)
-        self.redeliveries = Counter("vmfence_agent_redeliveries", "Commands answered from the ledger",
-                                    registry=self.registry)
-        self._states: set[str] = set()
-
-    def set_vms(self, states: list[str]) -> None:
-        counts = _Counter(states)
-        for s in self._states | counts.keys():
-            self.vms.labels(state=s).set(counts.get(s, 0))
-        self._states |= counts.keys()
 
 
 def _sim_faults(driver: Any, faults: tuple[str, ...]) -> None:
@@ -172,7 +149,7 @@ class Agent:
         self.config = config
         self.subjects = Subjects(config.prefix, config.partitions)
         self.boot = uuid.uuid4().hex[:8]  # distinguishes this process's reports' Msg-Ids
-        self.metrics = _Metrics()
+        self.metrics = AgentMetrics()
         self.ledger = Ledger(os.path.join(config.data_dir, LEDGER_FILE))
         self._driver = driver
         self.bus: Bus | None = None
@@ -184,7 +161,7 @@ class Agent:
         self._seq = 0
         self._round = 0
         self._lock_fd: int | None = None
-        self._runner: web.AppRunner | None = None
+        self._health: HealthServer | None = None
         self._task: asyncio.Task[None] | None = None
         self._kv: KeyValue | None = None
 
@@ -243,14 +220,18 @@ class Agent:
             )
             self.prober = Prober(self.ledger, driver, cfg.host, self._publish_probe,
                                  interval=cfg.probe_interval, timeout=cfg.probe_timeout)
-            log.info("connecting to NATS at %s", cfg.nats_url, extra={"host": cfg.host, "event": "connecting"})
+            where = cfg.nats_display  # a password in a URL is never logged
+            log.info("connecting to NATS at %s", where, extra={"host": cfg.host, "event": "connecting"})
             try:
                 self.bus = await self._startup(
-                    Bus.open(cfg.nats_url.split(","), name=f"vmfence-agent-{cfg.host}", subjects=self.subjects),
-                    f"connect to NATS at {cfg.nats_url}",
+                    Bus.open(cfg.nats_url, name=f"vmfence-agent-{cfg.host}", subjects=self.subjects,
+                             auth=cfg.nats_auth),
+                    f"connect to NATS at {where}",
                 )
+            except NatsAuthError as e:
+                raise AgentStartError(str(e)) from e
             except (OSError, nats.errors.Error) as e:
-                raise AgentStartError(f"cannot connect to NATS at {cfg.nats_url}: {e!r}") from e
+                raise AgentStartError(f"cannot connect to NATS at {where}: {e!r}") from e
             if cfg.provision:
                 await self._startup(
                     provision(self.bus.js, self.subjects, StreamsConfig(partitions=cfg.partitions)), "provision"
@@ -307,9 +288,9 @@ class Agent:
             steps.push_async_callback(self.ledger.close)
             if self.bus is not None:
                 steps.push_async_callback(run_within, self.bus.close(), NET_TIMEOUT_S, what="closing NATS")
-            if self._runner is not None:
-                steps.push_async_callback(self._runner.cleanup)
-                self._runner = None
+            if self._health is not None:
+                steps.push_async_callback(self._health.stop)
+                self._health = None
             if self._driver is not None:  # drops connections; never kills VMs
                 steps.push_async_callback(run_within, self._driver.close(), NET_TIMEOUT_S, what="closing the driver")
             if self.config.cleanup_on_stop and self.executor is not None:
@@ -372,33 +353,16 @@ class Agent:
 
     # ------------------------------------------------------------------ HTTP
     async def _start_http(self) -> None:
-        app = web.Application()
-        app.router.add_get("/metrics", self._h_metrics)
-        app.router.add_get("/livez", self._h_livez)
-        app.router.add_get("/readyz", self._h_readyz)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, self.config.http_host, self.config.http_port)
+        """/metrics (this agent's registry), /livez, /readyz on the shared health server."""
+        health = HealthServer(host=self.config.http_host, port=self.config.http_port,
+                              ready=lambda: self.ready, registry=self.metrics.registry)
         try:
-            await site.start()
+            await health.start()
         except OSError as e:
-            await runner.cleanup()
             raise AgentStartError(f"cannot listen on {self.config.http_host}:{self.config.http_port}: "
                                   f"{e.strerror}") from e
-        self._runner = runner
-        self.http_port = int(runner.addresses[0][1])
-
-    async def _h_metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def _h_livez(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok\n")
-
-    async def _h_readyz(self, request: web.Request) -> web.Response:
-        if self.ready:
-            return web.Response(text="ready\n")
-        return web.Response(status=503, text="not ready\n")
+        self._health = health
+        self.http_port = health.port
 
     # ------------------------------------------------------------------ publishing
     def _next_id(self) -> int:
@@ -654,16 +618,13 @@ async def _serve(config: AgentConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``vmfence agent``: 0 after a clean stop, 2 on a bad configuration, 1 if it cannot start."""
-    try:
-        config = load_config(argv)
-    except ConfigError as e:
-        print(f"vmfence agent: error: {e}", file=sys.stderr)
-        return 2
-    setup_logging(config.log_level)
+    config = start(AgentConfig, argv)
+    if config is None:
+        return EXIT_CONFIG
     try:
         asyncio.run(_serve(config))
     except AgentStartError as e:
-        print(f"vmfence agent: error: {e}", file=sys.stderr)
+        print(f"{config.PROG}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
@@ -672,6 +633,6 @@ def main(argv: list[str] | None = None) -> int:
         first: BaseException = e
         while isinstance(first, BaseExceptionGroup) and first.exceptions:
             first = first.exceptions[0]
-        print(f"vmfence agent: error: {first!r}", file=sys.stderr)
+        print(f"{config.PROG}: error: {first!r}", file=sys.stderr)
         return 1
     return 0

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
-from shared.bus.connect import Bus
+from shared.bus.connect import Bus, NatsAuthError
+from shared.config import BusSettings, ConfigError, NatsSettings, load
 from shared.fence.keys import DEFAULT_PARTITIONS
-from shared.subjects import DEFAULT_PREFIX, Subjects
+from shared.subjects import DEFAULT_PREFIX
 
 STACK_FILE = os.path.join(".vmfence", "stack.json")
 
@@ -44,25 +47,39 @@ def load_stack(path: str = STACK_FILE) -> Stack | None:
     )
 
 
-def resolve_nats(arg: str | None) -> tuple[str, Subjects]:
-    """--nats, else $VMFENCE_NATS_URL, else the stack `vmfence up` recorded."""
-    prefix = os.environ.get("VMFENCE_PREFIX", DEFAULT_PREFIX)
-    partitions = int(os.environ.get("VMFENCE_PARTITIONS", DEFAULT_PARTITIONS))
-    url = arg or os.environ.get("VMFENCE_NATS_URL")
-    if url is None:
+@dataclass(frozen=True)
+class OperatorConfig(NatsSettings, BusSettings):
+    """What an operator command needs of NATS: the shared settings every service reads, from the
+    same ``VMFENCE_*`` variables (so ``VMFENCE_NATS_USER=audit`` works for every command)."""
+
+    PROG: ClassVar[str] = "vmfence"
+
+
+def resolve_nats(arg: str | None, env: Mapping[str, str] | None = None) -> OperatorConfig:
+    """--nats, else $VMFENCE_NATS_URL, else the stack `vmfence up` recorded; credentials, TLS,
+    prefix and partitions from the environment (the stack's prefix and partitions with its URL)."""
+    env = os.environ if env is None else env
+    argv = ["--nats-url", arg] if arg else []
+    if not arg and not env.get("VMFENCE_NATS_URL", "").strip():
         stack = load_stack()
         if stack is None:
             raise CliError("no --nats given, VMFENCE_NATS_URL unset, and no local stack (.vmfence/stack.json)")
-        return stack.nats_url, Subjects(stack.prefix, stack.partitions)
-    return url, Subjects(prefix, partitions)
+        argv = ["--nats-url", stack.nats_url, "--prefix", stack.prefix, "--partitions", str(stack.partitions)]
+    try:
+        return load(OperatorConfig, argv, env)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
 
 
 async def open_bus(arg: str | None, name: str) -> Bus:
-    url, subjects = resolve_nats(arg)
+    cfg = resolve_nats(arg)
     try:
-        return await Bus.open(url.split(","), name=name, subjects=subjects, max_reconnect_attempts=2)
+        return await Bus.open(cfg.nats_url, name=name, subjects=cfg.subjects, max_reconnect_attempts=2,
+                              auth=cfg.nats_auth)
+    except NatsAuthError as exc:
+        raise CliError(str(exc)) from None
     except Exception as exc:
-        raise CliError(f"cannot connect to NATS at {url}: {exc}") from None
+        raise CliError(f"cannot connect to NATS at {cfg.nats_display}: {exc}") from None
 
 
 def eprint(*parts: object) -> None:

@@ -23,20 +23,20 @@ import nats.js.errors
 from nats.js.kv import KeyValue
 
 from services.reconciler import metrics
-from services.reconciler.config import ConfigError, ReconcilerConfig, parse
+from services.reconciler.config import ReconcilerConfig
 from services.reconciler.effects import EffectRunner
 from services.reconciler.hosts import HostsView
 from services.reconciler.kube import KubeGateway
 from services.reconciler.partition import Partition
 from services.reconciler.snapshot import SnapshotStore
-from shared.bus.connect import Bus
+from shared.bus.connect import Bus, NatsAuthError
 from shared.bus.leases import LeaseLost, PartitionLease
 from shared.bus.provision import ProvisionFailed, StreamsConfig, provision
 from shared.bus.retry import backoff_delay
+from shared.config import EXIT_CONFIG, start
 from shared.fence.decide import DecideEnv
 from shared.fence.schema import Input
 from shared.httpserve import HealthServer
-from shared.logs import setup_logging
 from shared.subjects import Subjects
 from shared.tasks import cancel_and_wait, sleep_unless_set
 
@@ -103,8 +103,7 @@ class Reconciler:
     async def run(self) -> None:
         cfg = self.cfg
         self.bus = bus = await Bus.open(
-            cfg.nats_url, name=f"vmfence-reconciler-{self.writer}", subjects=self.subjects,
-            user=cfg.nats_user, password=cfg.nats_password, creds=cfg.nats_creds,
+            cfg.nats_url, name=f"vmfence-reconciler-{self.writer}", subjects=self.subjects, auth=cfg.nats_auth,
         )
         try:
             streams = StreamsConfig(replicas=cfg.replicas, partitions=cfg.partitions, lease_ttl_s=cfg.lease_ttl_s)  # type: ignore[arg-type]
@@ -317,12 +316,9 @@ async def _default_gateway(cfg: ReconcilerConfig, host_ip: Callable[[str], str |
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = parse(argv)
-    except ConfigError as exc:
-        print(f"vmfence reconciler: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(cfg.log_format)
+    cfg = start(ReconcilerConfig, argv)
+    if cfg is None:
+        return EXIT_CONFIG
     return asyncio.run(_main(cfg))
 
 
@@ -335,8 +331,11 @@ async def _main(cfg: ReconcilerConfig) -> int:
         await rec.run()
     except StoppedDuringStartup:
         log.info("stopped before the reconciler was ready")
+    except NatsAuthError as exc:
+        print(f"{cfg.PROG}: error: {exc}", file=sys.stderr)
+        return 1
     except (OSError, nats.errors.NoServersError) as exc:
-        print(f"vmfence reconciler: cannot reach NATS at {','.join(cfg.nats_url)}: {exc}", file=sys.stderr)
+        print(f"{cfg.PROG}: error: cannot reach NATS at {cfg.nats_display}: {exc}", file=sys.stderr)
         return 1
     return 0
 

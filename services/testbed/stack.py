@@ -172,7 +172,7 @@ class LocalStack:
         assert self.nats is not None
         rp.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "services.cli", "reconciler", "--nats", self.urls.get(name, self.nats.url),
+                sys.executable, "-m", "services.cli", "reconciler", "--nats-url", self.urls.get(name, self.nats.url),
                 "--kubeconfig", self.kubeconfig_path, "--id", name, "--partitions", str(self.partitions),
                 "--data-dir", str(self.root / "reconcilers"), "--http-host", "127.0.0.1",
                 "--http-port", str(rp.port), "--lease-ttl", "3", "--snapshot-interval", "0.5",

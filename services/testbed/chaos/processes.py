@@ -393,7 +393,7 @@ class ProcessChaos:
         port = free_port()
         self.procs["watcher"] = Proc(
             "watcher", "watcher",
-            _svc("watcher", "--nats", urls, "--kubeconfig", kubeconfig, "--partitions", str(PARTITIONS),
+            _svc("watcher", "--nats-url", urls, "--kubeconfig", kubeconfig, "--partitions", str(PARTITIONS),
                  "--namespace", NS, "--http-host", "127.0.0.1", "--http-port", str(port)),
             port, logs / "watcher.log",
         )  # fmt: skip
@@ -402,7 +402,7 @@ class ProcessChaos:
             name = f"reconciler-{i}"
             self.procs[name] = Proc(
                 name, "reconciler",
-                _svc("reconciler", "--nats", urls, "--kubeconfig", kubeconfig, "--id", name,
+                _svc("reconciler", "--nats-url", urls, "--kubeconfig", kubeconfig, "--id", name,
                      "--partitions", str(PARTITIONS), "--replicas", "3",
                      "--data-dir", str(self.run_dir / "reconcilers"), "--http-host", "127.0.0.1",
                      "--http-port", str(port), "--lease-ttl", str(int(LEASE_TTL_S)),

@@ -1,0 +1,29 @@
+"""The Prometheus metrics an agent emits, defined in one place. Each agent has its own registry so
+that several agents can live in one process (tests, demo); ``shared.httpserve`` serves it."""
+
+from __future__ import annotations
+
+from collections import Counter as _Counter
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class AgentMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.commands = Counter("vmfence_commands", "Commands handled by op and result",
+                                ["op", "result"], registry=self.registry)
+        self.vms = Gauge("vmfence_vms", "VMs in the agent's ledger by state", ["state"],
+                         registry=self.registry)
+        self.reports = Counter("vmfence_agent_reports", "Reports published by kind", ["kind"],
+                               registry=self.registry)
+        self.redeliveries = Counter("vmfence_agent_redeliveries", "Commands answered from the ledger",
+                                    registry=self.registry)
+        self._states: set[str] = set()
+
+    def set_vms(self, states: list[str]) -> None:
+        """The VM gauge from the ledger's states; a state no VM is in any more reads 0."""
+        counts = _Counter(states)
+        for s in self._states | counts.keys():
+            self.vms.labels(state=s).set(counts.get(s, 0))
+        self._states |= counts.keys()
