@@ -40,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     decisions.add_parsers(sub)
     status.add_parser(sub)
     for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
-        ep.load()(sub)
+        try:
+            ep.load()(sub)
+        except Exception as exc:  # a broken plugin must not take the operator's commands with it
+            eprint(f"vmfence: the {ep.name} commands are unavailable ({type(exc).__name__}: {exc})")
     return parser
 
 

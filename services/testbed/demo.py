@@ -37,21 +37,6 @@ SETTLE_TIMEOUT_S = 60.0
 ORACLE_PERIOD_S = 0.05
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("demo", help="a local stack and the race scenarios, ending with the audit")
-    p.add_argument("--pods", type=int, default=6, help="steady pods besides the race scenarios")
-    p.add_argument("--runtime", default="auto", choices=["auto", "sim", "qemu"])
-    p.add_argument("--json", action="store_true", help="one JSON object on stdout, nothing else")
-    p.add_argument("--dir", default=".vmfence/demo", help="where the stack keeps its files")
-    p.set_defaults(run=run_demo)
-    u = sub.add_parser("up", help="the whole stack on this machine, in the foreground")
-    u.add_argument("--runtime", default="auto", choices=["auto", "sim", "qemu"])
-    u.add_argument("--kubeconfig", help="use this cluster instead of the development API server")
-    u.add_argument("--kubeconfig-out", default=".vmfence/kubeconfig", help="write a kubeconfig for kubectl here")
-    u.add_argument("--dir", default=".vmfence/run")
-    u.set_defaults(run=run_up)
-
-
 # --------------------------------------------------------------------------------- the oracle
 
 

@@ -69,25 +69,6 @@ async def until_keys_idle(rec: Any, n: int, deadline: float) -> None:
         await asyncio.sleep(0.05)
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("bench", help="benchmarks (JSON results)")
-    bsub = p.add_subparsers(dest="bench", metavar="BENCH")
-    d = bsub.add_parser("decisions", help="keys through the reconciler vs raw JetStream publish")
-    d.add_argument("--keys", type=int, default=1000)
-    d.add_argument("--partitions", type=int, default=16)
-    d.add_argument("--json", action="store_true")
-    d.set_defaults(run=lambda a: bench_decisions(a))
-    v = bsub.add_parser("vm", help="VM create/hibernate/wake latency vs a bare qemu")
-    v.add_argument("--runtime", default="qemu")
-    v.add_argument("--count", type=int, default=5)
-    v.add_argument("--guest-boots", type=int, default=3, help="guest VMs booted for guest_boot_p50_s (qemu)")
-    v.add_argument("--json", action="store_true")
-    v.set_defaults(run=lambda a: bench_vm(a))
-    from services.testbed.bench.suite import add_parser as add_all_parser
-
-    add_all_parser(bsub)
-
-
 async def raw_publish_rates(bus: Bus, n: int) -> tuple[float, float]:
     """Sync (one request at a time) and pipelined async publish rates of this client."""
     js = bus.js

@@ -64,17 +64,6 @@ ALL_FIGURES = ("decisions", "latency", "pods", "replay", "memory", "catchup")
 DECISIONS_PER_KEY = 10  # observed -> bound -> status written, with NullGateway and answering agents
 
 
-def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    a = bsub.add_parser("all", help="every figure beside a baseline from the same run (JSON)")
-    a.add_argument("--size", choices=sorted(SIZES), default="smoke")
-    a.add_argument("--only", default=",".join(ALL_FIGURES), help=f"comma-separated subset of {','.join(ALL_FIGURES)}")
-    a.add_argument("--pods", type=int, help="override the size's pod count (pods/decisions figures)")
-    a.add_argument("--sim-persist", action="store_true",
-                   help="keep the sim driver's per-op host file (O(ops) per op; see docs/benchmarks.md)")
-    a.add_argument("--json", action="store_true")
-    a.set_defaults(run=lambda args: bench_all(args))
-
-
 def bench_all(args: argparse.Namespace) -> int:
 
     only = tuple(x.strip() for x in args.only.split(",") if x.strip())
