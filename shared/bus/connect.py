@@ -31,12 +31,13 @@ CONNECT_TIMEOUT_S = 5.0
 RECONNECT_WAIT_S = 1.0
 PING_INTERVAL_S = 5  # a dead server is noticed after PING_INTERVAL_S * MAX_OUTSTANDING_PINGS
 MAX_OUTSTANDING_PINGS = 3
-_URL_PASSWORD = re.compile(r"(?P<head>://[^:/@\s]*:)[^@/\s]*@")
+_URL_USERINFO = re.compile(r"://(?:(?P<user>[^:/@\s,]*):[^@\s,/]*|[^:/@\s,]*)@")
 
 
 def mask_url(url: str) -> str:
-    """``nats://user:secret@host`` → ``nats://user:***@host`` (every URL in a comma-separated list)."""
-    return _URL_PASSWORD.sub(r"\g<head>***@", url)
+    """``nats://user:secret@host`` → ``nats://user:***@host``; ``nats://token@host`` (nats-py takes a
+    bare user as a token) → ``nats://***@host``; every URL of a comma-separated list."""
+    return _URL_USERINFO.sub(lambda m: "://***@" if m.group("user") is None else f"://{m.group('user')}:***@", url)
 
 
 class NatsAuthError(nats.errors.AuthorizationError):
@@ -110,6 +111,12 @@ class NatsAuth:
         return opts
 
 
+def _is_refusal(exc: Exception) -> bool:
+    """The server refused the credentials. At the initial connect nats-py 2.16 reports the server's
+    ``-ERR 'Authorization Violation'`` as a plain ``nats.errors.Error``, later as AuthorizationError."""
+    return isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in str(exc).lower()
+
+
 async def _on_error(exc: Exception) -> None:
     log.warning("nats error: %r", exc)
 
@@ -140,7 +147,7 @@ async def connect(
     connected = False
 
     async def on_error(exc: Exception) -> None:
-        if not connected and isinstance(exc, nats.errors.AuthorizationError):
+        if not connected and _is_refusal(exc):
             refused.set()  # the server answered: retrying the same credentials cannot help
             return
         await _on_error(exc)

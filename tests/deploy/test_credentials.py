@@ -1,0 +1,210 @@
+"""The agent binary logs in to a nats-server configured from deploy/nats/accounts.conf as its own
+per-host user, the way compose.yaml and the Helm chart's ``natsAuth: secret`` run it
+(``VMFENCE_NATS_USER``/``VMFENCE_NATS_PASSWORD``): it gets ready, heartbeats and executes a
+command within its permissions. A wrong password ends it at once with one clear line, and no
+password ever appears in its output, not even at debug level or when it is given inside the URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import pytest
+
+from shared.bus.provision import StreamsConfig, provision
+from shared.fence.schema import Command, CommandResult, Fence, HostHeartbeat, Spec, decode_input, encode
+from shared.subjects import Subjects
+
+from .conftest import NATS_PASSWORD_ENV, REPO
+from .test_nats_config import NATS_SERVER, _free_port, single_node_config
+
+pytestmark = pytest.mark.skipif(NATS_SERVER is None, reason="nats-server binary not installed")
+
+VMFENCE = REPO / ".venv" / "bin" / "vmfence"
+HOST = "host-a"
+USER = "agent-host-a"
+PASSWORD = NATS_PASSWORD_ENV["VMFENCE_NATS_AGENT_HOST_A_PASSWORD"]
+RECONCILER_PASSWORD = NATS_PASSWORD_ENV["VMFENCE_NATS_RECONCILER_PASSWORD"]
+READY_S = 30.0
+STOP_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A single-node server with the repository's accounts.conf, provisioned as the reconciler."""
+    assert NATS_SERVER is not None
+    workdir = tmp_path_factory.mktemp("nats-creds")
+    port = _free_port()
+    conf = workdir / "single.conf"
+    conf.write_text(single_node_config(workdir, port, _free_port()))
+    log = (workdir / "server.log").open("w")
+    proc = subprocess.Popen([NATS_SERVER, "-c", str(conf)], env={**os.environ, **NATS_PASSWORD_ENV},
+                            stdout=log, stderr=log)
+    url = f"nats://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            assert proc.poll() is None, (workdir / "server.log").read_text()
+            try:
+                asyncio.run(_provision(url))
+                break
+            except (OSError, nats.errors.Error):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+async def _provision(url: str) -> None:
+    nc = await nats.connect(url, user="reconciler", password=RECONCILER_PASSWORD, allow_reconnect=False)
+    try:
+        await provision(nc.jetstream(), Subjects(), StreamsConfig(replicas=1, lease_ttl_s=30, hosts_ttl_s=30))
+    finally:
+        await nc.close()
+
+
+@dataclass
+class Proc:
+    proc: asyncio.subprocess.Process
+    raw: list[str] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.raw)
+
+    async def read(self) -> None:
+        assert self.proc.stderr is not None
+        async for line in self.proc.stderr:
+            text = line.decode(errors="replace").rstrip()
+            self.raw.append(text)
+            with contextlib.suppress(ValueError):
+                self.events.append(json.loads(text))
+
+    async def wait_event(self, event: str) -> None:
+        deadline = time.monotonic() + READY_S
+        while not any(e.get("event") == event for e in self.events):
+            assert self.proc.returncode is None, f"agent exited:\n{self.output}"
+            assert time.monotonic() < deadline, f"no {event!r} from the agent:\n{self.output}"
+            await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def agent(tmp_path: Path, *args: str, **env: str) -> AsyncIterator[Proc]:
+    """``vmfence agent`` (the installed console script) as compose runs it: settings from VMFENCE_*."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("VMFENCE_")}
+    proc = await asyncio.create_subprocess_exec(
+        str(VMFENCE), "agent", "--runtime", "sim", "--host", HOST, "--data-dir", str(tmp_path / "agent"),
+        "--http-host", "127.0.0.1", "--http-port", "0", "--log-level", "debug", "--connect-timeout", "20", *args,
+        env={**clean, **env}, cwd=str(tmp_path), stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    p = Proc(proc)
+    reader = asyncio.create_task(p.read())
+    try:
+        yield p
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), STOP_S)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        await asyncio.wait_for(reader, STOP_S)
+        assert proc.stdout is not None
+        p.raw.extend((await proc.stdout.read()).decode(errors="replace").splitlines())
+
+
+async def _heartbeat_and_command(url: str) -> None:
+    """As the reconciler: the agent's heartbeat is in KV, and a create sent to it is executed (its
+    result, a report the agent publishes, is watched as admin)."""
+    rec = await nats.connect(url, user="reconciler", password=RECONCILER_PASSWORD, allow_reconnect=False)
+    admin = await nats.connect(url, user="admin", password=NATS_PASSWORD_ENV["VMFENCE_NATS_ADMIN_PASSWORD"],
+                               allow_reconnect=False)
+    try:
+        js = rec.jetstream()
+        kv = await js.key_value("vmfence_hosts")
+        beat = msgspec.json.decode((await kv.get(HOST)).value, type=HostHeartbeat)
+        assert beat.host == HOST and beat.runtime == "sim"
+        results: asyncio.Queue[CommandResult] = asyncio.Queue()
+
+        async def on_report(msg: Any) -> None:
+            inp = decode_input(msg.data)
+            if isinstance(inp, CommandResult):
+                await results.put(inp)
+
+        await admin.subscribe("vmfence.in.*.report.>", cb=on_report)
+        await admin.flush()
+        f = Fence("default/web", "uid-1", 1)
+        cmd = Command(id="uid-1:1:create:web-1", op="create", fence=f, host=HOST, vm_id="web-1",
+                      spec=Spec(cpus=1, memory_mib=64))
+        await js.publish(Subjects().command(HOST), encode(cmd), headers={"Nats-Msg-Id": cmd.id}, timeout=5)
+        result = await asyncio.wait_for(results.get(), READY_S)
+        assert result.command_id == cmd.id and result.outcome == "ok", result
+    finally:
+        await rec.close()
+        await admin.close()
+
+
+async def test_agent_logs_in_as_its_host_user(nats_url: str, tmp_path: Path) -> None:
+    async with agent(tmp_path, "--nats-url", nats_url, VMFENCE_NATS_USER=USER, VMFENCE_NATS_PASSWORD=PASSWORD) as a:
+        await a.wait_event("ready")
+        await _heartbeat_and_command(nats_url)
+    assert a.proc.returncode == 0, a.output
+    assert not [e for e in a.events if "Authorization" in str(e.get("msg")) or "permissions" in str(e.get("msg"))]
+    debug = [e for e in a.events if str(e.get("msg", "")).startswith("effective configuration")]
+    assert debug and "nats_password=***" in debug[0]["msg"] and f"nats_user={USER}" in debug[0]["msg"]
+    assert PASSWORD not in a.output
+
+
+async def test_a_password_in_the_url_works_and_is_never_shown(nats_url: str, tmp_path: Path) -> None:
+    url = nats_url.replace("nats://", f"nats://{USER}:{PASSWORD}@")
+    async with agent(tmp_path, VMFENCE_NATS_URL=url) as a:
+        await a.wait_event("ready")
+    assert a.proc.returncode == 0, a.output
+    assert PASSWORD not in a.output
+    assert f"{USER}:***@" in a.output  # the connecting line and the debug config show it masked
+
+
+async def test_a_wrong_password_is_one_clear_line(nats_url: str, tmp_path: Path) -> None:
+    wrong = "not-the-password-0123"
+    started = time.monotonic()
+    async with agent(tmp_path, "--nats-url", nats_url, VMFENCE_NATS_USER=USER, VMFENCE_NATS_PASSWORD=wrong) as a:
+        rc = await asyncio.wait_for(a.proc.wait(), READY_S)
+    assert rc == 1, a.output
+    assert time.monotonic() - started < 15, "a refused login is not retried until the connect timeout"
+    plain = [line for line in a.raw if line and not line.startswith("{")]
+    assert len(plain) == 1, a.output
+    assert plain[0].startswith("vmfence agent: error:") and "refused user 'agent-host-a'" in plain[0], plain
+    assert "authorization violation" in plain[0]
+    warnings = [e for e in a.events if e.get("level") in ("warning", "error")]
+    assert not warnings, warnings  # no retry storm of "nats error" lines before it
+    assert wrong not in a.output and PASSWORD not in a.output
+
+
+async def test_a_user_without_a_password_is_a_config_error(tmp_path: Path) -> None:
+    async with agent(tmp_path, "--nats-url", "nats://127.0.0.1:1", VMFENCE_NATS_USER=USER) as a:
+        rc = await asyncio.wait_for(a.proc.wait(), READY_S)
+    assert rc == 2
+    assert a.raw == ["vmfence agent: error: --nats-user/VMFENCE_NATS_USER and "
+                     "--nats-password/VMFENCE_NATS_PASSWORD go together"], a.raw
