@@ -129,3 +129,12 @@ def test_only_a_remove_leaves_the_mark_where_it_was() -> None:
 def test_every_refusal_has_a_reason(verdict: af.Verdict, fence: Fence, owner: Fence) -> None:
     said = af.reason(verdict, fence, owner, vm_id="vm-1", why="removed")
     assert said and "{" not in said
+
+
+def test_every_op_has_one_step_and_the_table_a_class() -> None:
+    """The executor dispatches from a static table: every op has a step there, and a class here."""
+    from services.agent.ops import OPS as STEPS
+
+    assert set(STEPS) == set(OPS) == set(af.OP_CLASS)
+    assert len({id(step) for step in STEPS.values()}) == len(STEPS)
+    assert [op for op, step in STEPS.items() if not step.replay] == ["survey"]
