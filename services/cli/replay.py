@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import sys
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 from rich.console import Console
@@ -20,23 +22,30 @@ from shared.fence.audit import Auditor, AuditReport
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("replay", help="fold the whole log and check the invariants (exit 1 on a violation)")
-    p.add_argument("--nats", help="NATS URL (default: VMFENCE_NATS_URL or the local stack)")
-    p.add_argument("--file", help="replay an export file instead of JetStream")
+    p.add_argument("--nats-url", "--nats", dest="nats", help="NATS URL (default: VMFENCE_NATS_URL or the local stack)")
+    p.add_argument("--file", help="replay an export file instead of JetStream ('-': standard input)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML audit report")
     p.add_argument("--not-final", action="store_true", help="the system is still running: skip end checks")
     p.set_defaults(run=replay)
 
     p = sub.add_parser("export", help="write the whole log to a file that `replay --file` reads")
-    p.add_argument("--nats")
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--nats-url", "--nats", dest="nats", help="NATS URL (default: VMFENCE_NATS_URL or the local stack)")
+    p.add_argument("-o", "--output", default="-", help="the file to write ('-', the default: standard output)")
     p.set_defaults(run=export)
+
+
+def _read_export(path: str) -> bytes:
+    """An export file's bytes; ``-`` reads standard input (``vmfence export | vmfence replay --file -``)."""
+    if path == "-":
+        return sys.stdin.buffer.read()
+    return Path(path).read_bytes()
 
 
 async def _records(args: argparse.Namespace) -> list[Record]:
     if args.file:
         try:
-            data = await asyncio.to_thread(Path(args.file).read_bytes)
+            data = await asyncio.to_thread(_read_export, args.file)
             return list(iter_export(data))
         except (OSError, ValueError) as exc:
             raise CliError(f"cannot read {args.file}: {exc}") from None
@@ -53,7 +62,7 @@ async def _audit_streaming(args: argparse.Namespace) -> AuditReport:
     auditor = Auditor()
     if args.file:
         try:
-            data = await asyncio.to_thread(Path(args.file).read_bytes)
+            data = await asyncio.to_thread(_read_export, args.file)
             for rec in iter_export(data):
                 auditor.feed(rec.entry, rec.seq)
         except (OSError, ValueError) as exc:
@@ -88,7 +97,10 @@ async def replay(args: argparse.Namespace) -> int:
     if args.html:
         from services.cli.report import write_html
 
-        write_html(args.html, records, report)
+        try:
+            write_html(args.html, records, report)
+        except OSError as exc:
+            raise CliError(f"cannot write {args.html}: {exc.strerror or exc}") from None
     if args.json:
         out = msgspec.to_builtins(report)
         out["clean"] = report.clean
@@ -121,15 +133,21 @@ def _print_report(report: AuditReport, seconds: float) -> None:
 async def export(args: argparse.Namespace) -> int:
     bus = await open_bus(args.nats, "vmfence-export")
     n = 0
+    to_stdout = args.output == "-"
     try:
-        with open(args.output, "wb") as f:  # noqa: ASYNC230 - streamed while the log is read
+        with contextlib.ExitStack() as stack:
+            # streamed while the log is read
+            f: BinaryIO = sys.stdout.buffer if to_stdout else stack.enter_context(open(args.output, "wb"))  # noqa: ASYNC230
             f.write(EXPORT_MAGIC)
             async for rec in read_log(bus.js, bus.subjects):
                 f.write(encode_record(rec))
                 n += 1
+            f.flush()
+    except BrokenPipeError:
+        raise CliError("the reader of standard output went away before the export ended") from None
     except OSError as exc:
-        raise CliError(f"cannot write {args.output}: {exc}") from None
+        raise CliError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     finally:
         await bus.close()
-    print(f"exported {n} entries to {args.output}", file=sys.stderr)
+    print(f"exported {n} entries to {'standard output' if to_stdout else args.output}", file=sys.stderr)
     return 0

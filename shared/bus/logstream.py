@@ -58,14 +58,57 @@ class Filter:
         return True
 
 
+@dataclass(frozen=True)
+class Since:
+    """Where a read of the log starts: a stream sequence, or a moment (the server's stored time)."""
+
+    seq: int | None = None
+    time_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.seq is None) == (self.time_s is None):
+            raise ValueError("Since takes exactly one of seq and time_s")
+        if self.seq is not None and self.seq < 1:
+            raise ValueError("a stream sequence starts at 1")
+
+
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0}
+
+
+def parse_since(text: str, now_s: float) -> Since:
+    """``123`` (a stream sequence), ``90s``/``10m``/``2h``/``1d`` (that long before ``now_s``) or an
+    RFC 3339 stamp (``2026-12-01T20:00:00Z``). ValueError with a message naming the accepted forms."""
+    raw = text.strip()
+    accepted = "a stream sequence (123), a duration (90s, 10m, 2h, 1d) or an RFC 3339 time (2026-12-01T20:00:00Z)"
+    if raw.isascii() and raw.isdigit() and len(raw) <= 18:
+        return Since(seq=max(1, int(raw)))
+    unit = raw[-1:].lower()
+    if unit in _DURATION_UNITS and raw[:-1].replace(".", "", 1).isdigit() and len(raw) <= 18:
+        return Since(time_s=now_s - float(raw[:-1]) * _DURATION_UNITS[unit])
+    try:
+        stamp = datetime.datetime.fromisoformat(raw.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"--since {raw[:64]!r}: expected {accepted}") from None
+    if stamp.tzinfo is None:
+        raise ValueError(f"--since {raw[:64]!r}: an RFC 3339 time needs its offset (Z or +01:00)")
+    return Since(time_s=stamp.timestamp())
+
+
 async def read_log(
-    js: JetStreamContext, subjects: Subjects, flt: Filter = Filter(), *, start_seq: int = 1
+    js: JetStreamContext, subjects: Subjects, flt: Filter = Filter(), *, start_seq: int = 1,
+    since: Since | None = None,
 ) -> AsyncIterator[Record]:
-    """Every stored entry matching the filter, in stream order, up to the end at call time."""
+    """Every stored entry matching the filter, in stream order, up to the end at call time; with
+    ``since``, from that sequence or from the first entry stored at or after that moment."""
+    if since is not None and since.seq is not None:
+        start_seq = max(start_seq, since.seq)
+    after = since.time_s if since is not None and since.time_s is not None else None
     async for msg in read_stream(js, subjects.stream_log, flt.subject(subjects), start_seq=start_seq):
+        if after is not None and msg.time_s < after:
+            continue
         entry = decode_entry(msg.data)
         if flt.matches(entry):
-            yield Record(msg.seq, entry)
+            yield Record(msg.seq, entry, msg.time_s)
 
 
 async def follow_log(
@@ -75,8 +118,13 @@ async def follow_log(
     *,
     since_s: float | None = None,
     start_seq: int | None = None,
+    since: Since | None = None,
 ) -> AsyncIterator[Record]:
     """Entries as they are appended (after the stored ones selected by since/start), until closed."""
+    if since is not None:
+        start_seq = since.seq if since.seq is not None else start_seq
+        if since.time_s is not None:
+            since_s = max(0.0, time.time() - since.time_s)
     cfg = api.ConsumerConfig(
         ack_policy=api.AckPolicy.NONE,
         filter_subject=flt.subject(subjects),

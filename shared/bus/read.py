@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import logging
 from collections import deque
@@ -37,11 +38,26 @@ class StoredMsg:
     subject: str
     headers: Mapping[str, str]
     data: bytes
+    time_s: float = 0.0  # when the server stored it (seconds since the epoch; 0 = not known)
 
 
 def _stored(raw: api.RawStreamMsg) -> StoredMsg:
     assert raw.seq is not None and raw.subject is not None
-    return StoredMsg(seq=raw.seq, subject=raw.subject, headers=dict(raw.headers or {}), data=raw.data or b"")
+    return StoredMsg(seq=raw.seq, subject=raw.subject, headers=dict(raw.headers or {}), data=raw.data or b"",
+                     time_s=_rfc3339_seconds(raw.time))
+
+
+def _rfc3339_seconds(stamp: object) -> float:
+    """The server's RFC 3339 timestamp of a direct/get message (nanosecond digits allowed)."""
+    if not isinstance(stamp, str) or not stamp:
+        return 0.0
+    head, _, frac = stamp.rstrip("Z").partition(".")
+    try:
+        base = datetime.datetime.fromisoformat(head).replace(tzinfo=datetime.UTC).timestamp()
+    except ValueError:
+        return 0.0
+    digits = "".join(c for c in frac if c.isdigit())
+    return base + (int(digits) / 10 ** len(digits) if digits else 0.0)
 
 
 async def last_on_subject(js: JetStreamContext, stream: str, subject: str) -> StoredMsg | None:
@@ -71,13 +87,20 @@ async def read_subject(
         seq = msg.seq + 1
 
 
-def _reply_seqs(reply: str) -> tuple[int, int]:
-    """Stream and consumer sequence from a JetStream ack subject (v1 and v2 layouts)."""
+def _reply_meta(reply: str) -> tuple[int, int, int]:
+    """Stream sequence, consumer sequence and stored time (ns) from a JetStream ack subject (v1
+    and v2 layouts)."""
     tokens = reply.split(".")
     if len(tokens) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
-        return int(tokens[5]), int(tokens[6])
+        return int(tokens[5]), int(tokens[6]), int(tokens[7])
     # v2: $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[.<rand>]
-    return int(tokens[7]), int(tokens[8])
+    return int(tokens[7]), int(tokens[8]), int(tokens[9])
+
+
+def _reply_seqs(reply: str) -> tuple[int, int]:
+    """Stream and consumer sequence from a JetStream ack subject."""
+    seq, cseq, _ = _reply_meta(reply)
+    return seq, cseq
 
 
 async def _last_matching_seq(js: JetStreamContext, stream: str, filter_subject: str | None) -> int:
@@ -250,14 +273,15 @@ async def _read_stream_once(
             if outstanding <= batch // 2:
                 await request(batch)
                 outstanding += batch
-            seq, cseq = _reply_seqs(msg.reply)
+            seq, cseq, stored_ns = _reply_meta(msg.reply)
             if cseq != delivered + 1:
                 raise _DeliveryGap(target)
             delivered = cseq
             if seq > target:
                 return
             position = seq
-            yield StoredMsg(seq=seq, subject=msg.subject, headers=dict(msg.headers or {}), data=msg.data)
+            yield StoredMsg(seq=seq, subject=msg.subject, headers=dict(msg.headers or {}), data=msg.data,
+                            time_s=stored_ns / 1e9)
             if seq >= target:
                 return
     finally:
