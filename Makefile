@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench guest-image tools clean
+.PHONY: demo test lint typecheck bench guest-image tools clean property-long mutants
 
 $(STAMP): pyproject.toml
 	@bash scripts/bootstrap.sh
@@ -18,7 +18,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --hypothesis-profile=ci
+
+# the property tests with many more examples from a fresh seed (a failure prints its replay line)
+property-long: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --hypothesis-profile=long --hypothesis-show-statistics \
+		tests/unit/test_properties.py
+
+# every rule mutant of the catalogue against its fast tests, in a temporary copy of the repository
+mutants: $(STAMP)
+	$(BIN)/python -m services.testbed.mutants --out docs/mutants.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -13,7 +13,7 @@ from nats.aio.client import Client
 from services.agent.config import AgentConfig
 from services.agent.runtime.sim import SimDriver
 from services.agent.service import Agent
-from shared.fence.schema import Command, CommandResult, Fence, Input
+from shared.fence.schema import SURVEY_VM_ID, Command, CommandResult, Fence, Input
 
 from .conftest import Reports, command, fence, send, sim_driver
 
@@ -101,3 +101,23 @@ async def test_a_vm_of_another_key_is_never_touched(
         assert effects_on(driver, "k-1", since) == [], "another key's command acted on the VM"
         assert driver.running_vms() == ["k-1"]
         assert {x.fence for x in await agent.ledger.reservations("k-1")} == {owner}
+
+
+async def test_a_resent_survey_of_an_older_epoch_never_lowers_the_keys_mark(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig]
+) -> None:
+    """Rule 4 by the key's mark: a survey is exempt from the mark's refusal (it changes no VM), and
+    a round re-sent from an old outbox carries an older epoch. Answering it must not lower the mark,
+    or a stale create of that older epoch — for a VM name nobody owns yet, so no owner check can
+    refuse it — would make a second VM for the key."""
+    cfg = make_config()
+    driver = sim_driver(cfg)
+    async with Agent(cfg, driver=driver) as agent:
+        assert (await run(nc, reports, command("create", "m-3", fence(3)))).outcome == "ok"
+        survey = await run(nc, reports, command("survey", SURVEY_VM_ID, fence(1)))
+        assert survey.outcome == "ok" and survey.key_epoch == 3
+        assert [(i.vm_id, i.fence) for i in survey.found] == [("m-3", fence(3))]
+        stale = await run(nc, reports, command("create", "m-2", fence(2)))
+        assert stale.outcome == "fenced" and stale.key_epoch == 3, stale
+        assert agent.ledger.key_mark(fence(1).key) == 3
+        assert driver.all_vms() == ["m-3"]

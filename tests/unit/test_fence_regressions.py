@@ -5,11 +5,17 @@ taken out (the mutants catalogue, services/testbed/mutant_catalogue.py, keeps th
 
 from __future__ import annotations
 
+import copy
+
+from shared.fence.audit import audit
 from shared.fence.decide import DecideEnv
 from shared.fence.schema import (
+    Adopted,
     Commanded,
+    ConfirmRequested,
     DeleteClaimed,
     Done,
+    Failed,
     Fence,
     Forgotten,
     Observed,
@@ -23,6 +29,7 @@ from shared.fence.schema import (
     VMExited,
     WriteDone,
 )
+from shared.fence.state import fold_all
 from tests.unit.driver import ENV, KEY, Driver, of
 
 
@@ -114,3 +121,59 @@ def test_the_restart_backoff_doubles_up_to_its_cap_of_300_s() -> None:
         (1, 10, 10), (2, 20, 20), (3, 40, 40), (4, 80, 80), (5, 160, 160), (6, 300, 300), (7, 300, 300)
     ]
     assert d.state.cur is not None and d.state.cur.restart_count == 7
+
+
+def test_a_deleted_incarnations_late_observation_is_skipped_as_superseded() -> None:
+    """A deleted incarnation is tombstoned when it is forgotten: a late (relisted, lagging-cache)
+    observation of it is ``Skipped(superseded)`` and asks for no read that could admit it again
+    (rule 3; guards the tombstone in ``fold``'s ``Forgotten``)."""
+    d = Driver()
+    d.run_up("u1")
+    before = Observed(KEY, "u1", d.next_rv())
+    d.feed(before)
+    d.feed(Observed(KEY, "u1", d.next_rv(), deleting=True))
+    d.answer(d.commands("remove")[0])
+    (final,) = d.writes("delete")
+    assert of(d.feed(WriteDone(final.write.fence, final.write.id, "ok")), Forgotten)
+    assert d.state.cur is None
+    out = d.feed(before)  # the watch cache replays an observation from before the delete
+    assert [s.reason for s in of(out, Skipped)] == ["superseded"]
+    assert of(out, ConfirmRequested) == [] and d.pending(ConfirmRequested) == []
+
+
+def test_a_decision_under_a_fence_that_is_not_current_never_changes_the_successor() -> None:
+    """``fold`` applies an incarnation's decisions only under its own fence: a log a stale writer
+    appended to (or the audit replaying any log) never moves a predecessor's readiness, failure or
+    delete claim onto the successor (rule 4; guards the fence comparison in ``_cur_for``)."""
+    d = Driver()
+    c1 = d.run_up("u1")
+    d.admit("u2")
+    cur = d.state.cur
+    assert cur is not None and cur.fence.uid == "u2"
+    before = copy.deepcopy(cur)
+    fold_all(d.state, [ReadyChanged(c1.fence, True), Failed(c1.fence, "VMExited", "late"), DeleteClaimed(c1.fence)])
+    assert d.state.cur == before
+    assert not cur.ready and cur.phase == "Pending" and not cur.delete_claim and not cur.deleting
+
+
+def test_a_forgotten_incarnations_adopt_answered_late_still_collects_the_vm() -> None:
+    """u2 adopts u1's VM; u2 is deleted (and forgotten) while the adopt is in flight, then the agent
+    answers it: ownership moved to u2 there, so the VM is removed under u2's fence — the forgotten
+    incarnation's command stays outstanding until answered (never a leak; guards ``Forgotten``
+    keeping ``Commanded`` effects)."""
+    d = Driver()
+    c1 = d.run_up("u1", Spec(on_recreate="adopt"))
+    d.admit("u2", Spec(on_recreate="adopt"))
+    (adopt,) = d.commands("adopt")
+    d.feed(Observed(KEY, "u2", d.next_rv(), deleting=True))
+    (final,) = d.writes("delete")
+    assert of(d.feed(WriteDone(final.write.fence, final.write.id, "ok")), Forgotten)
+    assert d.state.cur is None and d.commands("adopt") == [adopt]
+    out = d.answer(adopt, ip="10.0.0.9")
+    assert of(out, Adopted), "the late adopt answer was dropped: the VM the agent now holds for u2 leaks"
+    (remove,) = d.commands("remove")
+    assert (remove.vm_id, remove.fence) == (c1.vm_id, adopt.fence)
+    d.answer(remove)
+    assert d.state.vms == {}
+    report = audit(d.log, final=True)
+    assert report.clean, report.violations
