@@ -5,7 +5,7 @@ to the key's log as one entry and then carries out their effects. Each decision 
 working copy as it is made, so every rule sees the state the log will have at that point — which is
 also what the audit re-derives.
 
-Reading guide (the rows of the table):
+Reading guide (the rows of the table; the first column is ``_INPUTS``, one rule per input kind):
 
     input            state of the key                      decisions
     ---------------  ------------------------------------  ------------------------------------
@@ -19,21 +19,59 @@ Reading guide (the rows of the table):
                      same uid as current                   (tombstones for others seen)
                      new uid                               Superseded(old) + Admitted(new) (rule 2,3)
     CommandResult    command not outstanding               (dropped: redelivery)
-                     create/start/wake ok, fence current   Bound
-                     ok for a superseded fence             Skipped(stale_effect) + remove (no leak)
-                     remove ok / not_found                 Released [+ bring-up of successor]
-                     adopt ok / not_found / inconclusive   Bound / Released+create / retry (rule 8)
+                     fence or VM not the command's         Skipped(stale_effect)
+                     else                                  Done + the (op, outcome) cell below
     VMExited         current bound VM                      Restarting | Succeeded | Failed (rule 7)
     VMGone           current bound VM, no delete claim     Released + EvictionRequested (rule 7)
                      current bound VM, delete claim held   Released + EvictionDeferred
     ProbeChanged     fence not current                     Skipped(superseded | stale_effect)
     Inventoried      unknown VM, current uid, key VM-less   Discovered + adopt (inspect first, rule 8)
                      any other unknown VM                  Discovered + remove (never a leak)
-    survey result    (after a lost log tail, Rebuilt)      Discovered + adopt/remove; VMs made again
-                                                           only once every host has answered
-    WriteDone        superseded (Conflict/Invalid)         ConfirmRequested (rule 6)
-                     gone (NotFound)                       delete path
-    TimerFired       purpose                               re-check, never destroy (rule 12)
+    WriteDone        write not outstanding                 (dropped: redelivery)
+                     else                                  Done + the outcome's cell (``_WRITES``):
+                                                           ok: delete done -> Forgotten; superseded
+                                                           (Conflict/Invalid): ConfirmRequested
+                                                           (rule 6); gone (NotFound): delete path;
+                                                           failed: rewrite timer
+    TimerFired       timer not armed                       (dropped: redelivery)
+                     else                                  Done + the purpose's cell below: a
+                                                           re-check, never a destruction (rule 12)
+
+Agent results by the command's op (as the log commanded it) and the answer's outcome (``_RESULTS``;
+``-`` is a named CannotHappen). A create/start/wake that took is Bound if its fence is current, else
+Skipped(stale_effect) + remove (no leak); a failed one releases only a claim it still owns (rule 2)
+and places again; an adopt is bound only after the agent's inspect confirmed the VM (rule 8); a
+survey's finds (after a lost tail, Rebuilt) are Discovered and adopted or removed, and no VM is
+made again until every host has answered:
+
+    op         ok          failed            fenced  not_found         inconclusive
+    create     up_ok       up_failed         fenced  up_failed         retry
+    start      up_ok       up_failed         fenced  up_failed         retry
+    remove     removed     retry             fenced  removed           retry
+    hibernate  hibernated  hibernate_failed  fenced  hibernate_failed  retry
+    wake       up_ok       up_failed         fenced  up_failed         retry
+    adopt      adopted     adopt_lost        fenced  adopt_lost        adopt_again
+    inspect    -           -                 -       -                 -
+    survey     surveyed    resurvey          fenced  resurvey          resurvey
+
+Timers by typed purpose (``_KEY_TIMERS`` for any fence of the key, ``_CURRENT_TIMERS`` only for the
+current incarnation: another fence's is Skipped; a rewrite by the write's verb, ``_REWRITES``):
+
+    SurveyTimer       any fence  timer_survey
+    RetryTimer        any fence  timer_retry
+    UnknownTimer      any fence  -
+    PlaceTimer        current    timer_place
+    RestartTimer      current    timer_restart
+    AdoptTimer        current    timer_adopt
+    RewriteTimer      current    timer_rewrite
+      rewrite status  current    rewrite_status
+      rewrite delete  current    rewrite_delete
+      rewrite evict   current    rewrite_evict
+      rewrite event   current    -
+
+A cell that cannot happen and fires after all is logged as Skipped(cannot_happen) naming the cell,
+and counted; nothing else is done. tests/unit/test_policy_table.py checks that these tables cover
+every input kind, op, outcome, purpose and verb, and that this guide shows their cells.
 
 After every input a status intent is derived from the incarnation and requested if it changed, so
 no rule has to remember to write status.
@@ -807,7 +845,9 @@ def _adopts_predecessor(s: KeyState, cur: Incarnation, i: Inventoried, rebuildin
 def rebuild(state: KeyState, known_epoch: int, env: DecideEnv | None = None, reason: str = "") -> list[Decision]:
     """Decisions for a key whose log turned out to be behind what its writer had seen (a lost
     tail): say so, lift the epoch above any the writer knew (so no agent holds a fence as new as
-    the next incarnation's), and survey every host before any VM is made again (rule 17)."""
+    the next incarnation's: rule 4), and survey every host before any VM is made again, since the
+    lost tail's claims are known only to the agents now (rule 2; the fault campaign's scenario 17,
+    ``log_tail_lost``)."""
     run = _Run(_copy(state), env or DecideEnv())
     _rebuild(run, known_epoch, reason or "log behind its writer")
     return run.out
