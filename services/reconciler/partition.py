@@ -415,7 +415,8 @@ class Partition:
         """One fenced append of the key's next entry, then fold it (LostRace: nothing changed).
         While it is in flight its floor holds the snapshot watermark below its sequence."""
         key = slot.state.key
-        entry = LogEntry(key, slot.state.n + 1, decisions, input=kind, writer=self.writer)
+        # the wall-clock time is for people reading the log (rule 12: no decision depends on it)
+        entry = LogEntry(key, slot.state.n + 1, decisions, input=kind, writer=self.writer, at=time.time())
         payload = encode(entry)
         floor = self._max_seen
         self._inflight_floors[floor] += 1

@@ -50,6 +50,40 @@ class Violation(msgspec.Struct, frozen=True):
     seq: int | None = None
 
 
+class InvariantCheck(msgspec.Struct, frozen=True):
+    """One invariant as a report shows it: what it means, at how many positions it was checked,
+    how many violations of it were found."""
+
+    name: str
+    meaning: str
+    rules: list[str]  # the Violation.rule names that break it
+    positions: int
+    violations: int
+
+
+# name, meaning, the violation rules that break it, the decision types at which it is checked
+# ("entry": every entry; "vm": every VM left at the end, when the audit is final)
+INVARIANTS: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("contiguous", "each key's entries are numbered 1, 2, 3 ... with no gap and no repeat",
+     ("gap", "repeat"), ("entry",)),
+    ("epochs_increase", "a new incarnation gets a higher epoch than every earlier one; a tombstoned uid never returns",
+     ("epoch_not_increasing", "tombstone_returned", "wrong_key"), ("admitted",)),
+    ("commands_carry_the_current_fence",
+     "every placement and command carries the fence current at its position (a remove: its VM owner's)",
+     ("command_fence_not_current",), ("placed", "commanded")),
+    ("results_match_their_commands", "every applied result names the VM and fence of the command it answers",
+     ("result_fence_mismatch",), ("bound", "adopted", "released", "hibernated")),
+    ("bound_only_to_the_current_incarnation", "a VM is bound only to the incarnation current at that position",
+     ("bound_not_current",), ("bound",)),
+    ("one_key_per_vm", "a VM is live for one key at a time", ("vm_bound_twice",), ("bound",)),
+    ("one_live_vm_per_key", "a key never has two live VMs at once",
+     ("two_vms_for_key",), ("placed", "commanded", "bound", "adopted", "released", "hibernated", "restarting",
+                            "rebuilt", "discovered")),
+    ("settled_at_the_end", "at the end every VM is released, hibernated, or bound to the live incarnation",
+     ("unsettled_vm",), ("vm",)),
+)
+
+
 class AuditReport(msgspec.Struct):
     keys: int = 0
     entries: int = 0
@@ -60,6 +94,8 @@ class AuditReport(msgspec.Struct):
     vms_released: int = 0
     vms_bound_live: int = 0
     violations: list[Violation] = msgspec.field(default_factory=list)
+    invariants: list[InvariantCheck] = msgspec.field(default_factory=list)
+    final: bool = True  # end checks applied (the system had stopped)
 
     @property
     def clean(self) -> bool:
@@ -251,11 +287,25 @@ class Auditor:
                             "released, hibernated nor bound to the live incarnation",
                         )
                     )
+        by_type = {str(t.__struct_config__.tag): k for t, k in self._types.items()}
+        vms_at_end = sum(len(s.vms) for s in self.states.values()) if final else 0
+        broken = Counter(v.rule for v in violations)
+        invariants = [
+            InvariantCheck(
+                name, meaning, list(rules),
+                positions=sum(self._entries if w == "entry" else vms_at_end if w == "vm" else by_type.get(w, 0)
+                              for w in where),
+                violations=sum(broken[r] for r in rules),
+            )
+            for name, meaning, rules, where in INVARIANTS
+        ]
         return AuditReport(
+            final=final,
+            invariants=invariants,
             keys=len(self.states),
             entries=self._entries,
             decisions=sum(self._types.values()),
-            decisions_by_type={str(t.__struct_config__.tag): k for t, k in self._types.items()},
+            decisions_by_type=by_type,
             skipped=dict(self._skipped),
             vms_created=self._created,
             vms_released=self._released,

@@ -552,7 +552,8 @@ class LogEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     n: int
     decisions: list[Decision]
     input: str = ""  # short description of the input that caused it (kind and id)
-    writer: str = ""
+    writer: str = ""  # the appending reconciler's identity
+    at: float = 0.0  # the writer's wall-clock time (seconds since the epoch): informational, no rule reads it
     v: int = SCHEMA_VERSION
 
 
