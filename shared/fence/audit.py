@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -41,11 +41,17 @@ from shared.fence.schema import (
 )
 from shared.fence.state import KeyState, fold
 
+# the invariant a violation breaks (docs/architecture.md, "The audit", names each)
+ViolationRule = Literal[
+    "gap", "repeat", "wrong_key", "tombstone_returned", "epoch_not_increasing", "command_fence_not_current",
+    "result_fence_mismatch", "bound_not_current", "vm_bound_twice", "two_vms_for_key", "unsettled_vm",
+]
+
 
 class Violation(msgspec.Struct, frozen=True):
     key: str
     n: int
-    rule: str
+    rule: ViolationRule
     message: str
     seq: int | None = None
 
@@ -63,7 +69,7 @@ class InvariantCheck(msgspec.Struct, frozen=True):
 
 # name, meaning, the violation rules that break it, the decision types at which it is checked
 # ("entry": every entry; "vm": every VM left at the end, when the audit is final)
-INVARIANTS: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
+INVARIANTS: tuple[tuple[str, str, tuple[ViolationRule, ...], tuple[str, ...]], ...] = (
     ("contiguous", "each key's entries are numbered 1, 2, 3 ... with no gap and no repeat",
      ("gap", "repeat"), ("entry",)),
     ("epochs_increase", "a new incarnation gets a higher epoch than every earlier one; a tombstoned uid never returns",
@@ -142,7 +148,7 @@ class Auditor:
             Done: self._done,
         }
 
-    def _bad(self, key: str, n: int, seq: int | None, rule: str, message: str) -> None:
+    def _bad(self, key: str, n: int, seq: int | None, rule: ViolationRule, message: str) -> None:
         self._violations.append(Violation(key, n, rule, message, seq))
 
     def feed(self, entry: LogEntry, seq: int | None = None) -> None:
@@ -156,7 +162,7 @@ class Auditor:
             cmds = self._commands[key]
         self._entries += 1
         if n != s.n + 1:
-            rule = "gap" if n > s.n + 1 else "repeat"
+            rule: ViolationRule = "gap" if n > s.n + 1 else "repeat"
             self._bad(key, n, seq, rule, f"entry {n} follows entry {s.n}")
         checks = self._checks
         two_live = self._two_live
