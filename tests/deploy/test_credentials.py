@@ -12,23 +12,24 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import msgspec
 import nats
 import pytest
 
+from services.testbed.natsserver import NatsServer, free_port
 from shared.bus.provision import StreamsConfig, provision
 from shared.fence.schema import Command, CommandResult, Fence, HostHeartbeat, Spec, decode_input, encode
 from shared.subjects import Subjects
 
 from .conftest import NATS_PASSWORD_ENV, REPO
-from .test_nats_config import NATS_SERVER, _free_port, single_node_config
+from .test_nats_config import NATS_SERVER, single_node_config
 
 pytestmark = pytest.mark.skipif(NATS_SERVER is None, reason="nats-server binary not installed")
 
@@ -46,32 +47,18 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A single-node server with the repository's accounts.conf, provisioned as the reconciler."""
     assert NATS_SERVER is not None
     workdir = tmp_path_factory.mktemp("nats-creds")
-    port = _free_port()
-    conf = workdir / "single.conf"
-    conf.write_text(single_node_config(workdir, port, _free_port()))
-    log = (workdir / "server.log").open("w")
-    proc = subprocess.Popen([NATS_SERVER, "-c", str(conf)], env={**os.environ, **NATS_PASSWORD_ENV},
-                            stdout=log, stderr=log)
-    url = f"nats://127.0.0.1:{port}"
+    port, http_port = free_port(), free_port()
+    server = NatsServer(  # JetStream and its store come from the config, as in deploy/nats
+        store_dir=str(workdir), port=port, http_port=http_port, binary=NATS_SERVER, jetstream=False,
+        config_text=single_node_config(workdir, port, http_port),
+    )
+    with mock.patch.dict(os.environ, NATS_PASSWORD_ENV):  # the server resolves its passwords from these
+        asyncio.run(server.start())
     try:
-        deadline = time.monotonic() + 15
-        while True:
-            assert proc.poll() is None, (workdir / "server.log").read_text()
-            try:
-                asyncio.run(_provision(url))
-                break
-            except (OSError, nats.errors.Error):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        yield url
+        asyncio.run(_provision(server.url))
+        yield server.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        asyncio.run(server.stop())
 
 
 async def _provision(url: str) -> None:
