@@ -58,13 +58,8 @@ def describe(d: Decision) -> str:
     return f"{name}{(' ' + extra) if extra else ''}{tag}"
 
 
-def written_at(rec: Record) -> float:
-    """The writer's wall-clock time of an entry where it recorded one, else the server's stored time
-    (both informational: no rule depends on them)."""
-    return float(getattr(rec.entry, "at", 0.0) or 0.0) or rec.ts
-
-
-def _stamp(t: float) -> str:
+def stamp(t: float) -> str:
+    """A UTC time to the millisecond, ``-`` when not known."""
     if t <= 0:
         return "-"
     return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
@@ -80,7 +75,7 @@ def columns(rec: Record, d: Decision) -> dict[str, str]:
     reasons = [str(getattr(d, f)) for f in _REASON_FIELDS if getattr(d, f, None)]
     return {
         "SEQ": str(rec.seq),
-        "TIME": _stamp(written_at(rec)),
+        "TIME": stamp(rec.written_at()),
         "KEY": f"{rec.entry.key}#{rec.entry.n}",
         "FENCE": f"{fence.uid[:8]}/e{fence.epoch}" if fence is not None else "-",
         "DECISION": " ".join([decision_name(d), *details]),
@@ -101,7 +96,7 @@ def lines(rec: Record) -> Iterator[str]:
 
 def _json_line(rec: Record) -> str:
     out = msgspec.to_builtins(rec)
-    out["time"] = _stamp(written_at(rec))
+    out["time"] = stamp(rec.written_at())
     out["rows"] = [columns(rec, d) for d in rec.entry.decisions]
     return msgspec.json.encode(out).decode()
 

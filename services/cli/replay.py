@@ -6,17 +6,21 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import importlib.metadata
 import sys
 import time
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import msgspec
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from services.cli.common import CliError, open_bus
-from shared.bus.logstream import EXPORT_MAGIC, Record, audit_records, encode_record, iter_export, read_log
+from services.cli.decisions import stamp
+from shared.bus.connect import mask_url
+from shared.bus.logstream import EXPORT_MAGIC, Record, encode_record, iter_export, read_log
 from shared.fence.audit import Auditor, AuditReport
 
 
@@ -35,6 +39,51 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.set_defaults(run=export)
 
 
+class Origin(msgspec.Struct):
+    """Where the audited log came from, as a report names it."""
+
+    source: str  # "file" or "jetstream"
+    location: str  # the file ("-": standard input), or the NATS URL with any secret masked
+    stream: str | None = None
+    partitions: int | None = None
+    first_seq: int = 0
+    last_seq: int = 0
+    first_time: str = "-"
+    last_time: str = "-"
+
+
+class AuditRun:
+    """Feeds the auditor record by record, noting the log's origin and span and the time of the
+    entry at which each violation was found; keeps the records only when a report needs them (a
+    replay's memory is otherwise bounded by the keys, not by the log's length)."""
+
+    def __init__(self, origin: Origin, *, keep: bool) -> None:
+        self.auditor = Auditor()
+        self.origin = origin
+        self.records: list[Record] | None = [] if keep else None
+        self.violation_times: list[float] = []
+        self._first_t = 0.0
+        self._last_t = 0.0
+
+    def feed(self, rec: Record) -> None:
+        auditor = self.auditor
+        before = auditor.violations_found
+        auditor.feed(rec.entry, rec.seq)
+        t = rec.written_at()
+        if not self.origin.first_seq:
+            self.origin.first_seq, self._first_t = rec.seq, t
+        self.origin.last_seq = rec.seq
+        self._last_t = max(self._last_t, t)
+        if auditor.violations_found != before:
+            self.violation_times.extend([t] * (auditor.violations_found - before))
+        if self.records is not None:
+            self.records.append(rec)
+
+    def report(self, *, final: bool) -> AuditReport:
+        self.origin.first_time, self.origin.last_time = stamp(self._first_t), stamp(self._last_t)
+        return self.auditor.report(final=final)
+
+
 def _read_export(path: str) -> bytes:
     """An export file's bytes; ``-`` reads standard input (``vmfence export | vmfence replay --file -``)."""
     if path == "-":
@@ -42,92 +91,104 @@ def _read_export(path: str) -> bytes:
     return Path(path).read_bytes()
 
 
-async def _records(args: argparse.Namespace) -> list[Record]:
+async def _audit(args: argparse.Namespace) -> AuditRun:
     if args.file:
-        try:
-            data = await asyncio.to_thread(_read_export, args.file)
-            return list(iter_export(data))
-        except (OSError, ValueError) as exc:
-            raise CliError(f"cannot read {args.file}: {exc}") from None
-    bus = await open_bus(args.nats, "vmfence-replay")
-    try:
-        return [r async for r in read_log(bus.js, bus.subjects)]
-    finally:
-        await bus.close()
-
-
-async def _audit_streaming(args: argparse.Namespace) -> AuditReport:
-    """Feed the auditor as entries arrive: no list of every record (whose growth made the garbage
-    collector dominate replays of large logs)."""
-    auditor = Auditor()
-    if args.file:
+        run = AuditRun(Origin("file", args.file), keep=bool(args.html))
         try:
             data = await asyncio.to_thread(_read_export, args.file)
             for rec in iter_export(data):
-                auditor.feed(rec.entry, rec.seq)
+                run.feed(rec)
         except (OSError, ValueError) as exc:
             raise CliError(f"cannot read {args.file}: {exc}") from None
-    else:
-        bus = await open_bus(args.nats, "vmfence-replay")
-        try:
-            async for rec in read_log(bus.js, bus.subjects):
-                auditor.feed(rec.entry, rec.seq)
-        finally:
-            await bus.close()
-    return auditor.report(final=not args.not_final)
+        return run
+    bus = await open_bus(args.nats, "vmfence-replay")
+    try:
+        connected = bus.nc.connected_url
+        url = connected.geturl() if connected is not None else "nats"
+        origin = Origin("jetstream", mask_url(url), bus.subjects.stream_log, bus.subjects.partitions)
+        run = AuditRun(origin, keep=bool(args.html))
+        async for rec in read_log(bus.js, bus.subjects):
+            run.feed(rec)
+    finally:
+        await bus.close()
+    return run
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("vmfence")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def report_json(run: AuditRun, report: AuditReport, *, seconds: float, created: str) -> dict[str, Any]:
+    """The report as ``replay --json`` prints it: the audit, its origin, when and by what it was made."""
+    out: dict[str, Any] = msgspec.to_builtins(report)
+    for v, t in zip(out["violations"], [*run.violation_times, *([0.0] * len(report.violations))], strict=False):
+        v["time"] = stamp(t)
+    out["clean"] = report.clean
+    out["seconds"] = round(seconds, 6)
+    out["origin"] = msgspec.to_builtins(run.origin)
+    out["created"] = created
+    out["vmfence_version"] = _version()
+    return out
 
 
 async def replay(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    created = stamp(time.time())
     # What exists now is long-lived, and decoded entries are never cyclic garbage (refcounting frees
     # them): the cyclic collector would only re-walk the auditor's growing state, so it is off for
     # the length of the audit.
     gc.freeze()
     gc.disable()
-    records: list[Record] = []
     try:
-        if args.html:
-            records = await _records(args)
-            report = audit_records(records, final=not args.not_final)
-        else:
-            report = await _audit_streaming(args)
+        run = await _audit(args)
+        report = run.report(final=not args.not_final)
     finally:
         gc.enable()
     seconds = time.perf_counter() - start
     if args.html:
-        from services.cli.report import write_html
+        from services.cli.report import ReportContext, write_html
 
+        context = ReportContext(origin=run.origin, created=created, version=_version(),
+                                violation_times=run.violation_times)
         try:
-            write_html(args.html, records, report)
+            write_html(args.html, run.records or [], report, context)
         except OSError as exc:
             raise CliError(f"cannot write {args.html}: {exc.strerror or exc}") from None
     if args.json:
-        out = msgspec.to_builtins(report)
-        out["clean"] = report.clean
-        out["seconds"] = round(seconds, 6)
-        sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
+        sys.stdout.write(msgspec.json.encode(report_json(run, report, seconds=seconds, created=created)).decode()
+                         + "\n")
     else:
-        _print_report(report, seconds)
+        _print_report(run, report, seconds)
     return 0 if report.clean else 1
 
 
-def _print_report(report: AuditReport, seconds: float) -> None:
-    console = Console()
+def _print_report(run: AuditRun, report: AuditReport, seconds: float) -> None:
+    console = Console(highlight=False)
+    o = run.origin
     table = Table(title="vmfence audit", show_header=False)
+    table.add_row("log", escape(f"{o.source} {o.location}" + (f" ({o.stream}, {o.partitions} partitions)"
+                                                               if o.stream else "")))
+    table.add_row("sequences", f"{o.first_seq}..{o.last_seq} ({o.first_time} .. {o.last_time})")
     table.add_row("keys", str(report.keys))
     table.add_row("entries", str(report.entries))
     table.add_row("decisions", str(report.decisions))
     table.add_row("VMs created / released", f"{report.vms_created} / {report.vms_released}")
     table.add_row("VMs bound to live incarnations", str(report.vms_bound_live))
     for reason, n in sorted(report.skipped.items()):
-        table.add_row(f"skipped: {reason}", str(n))
+        table.add_row(f"skipped: {escape(reason)}", str(n))
+    for inv in report.invariants:
+        table.add_row(f"checked: {inv.name}", f"{inv.positions} positions, {inv.violations} violations")
     verdict = "[green]clean[/green]" if report.clean else f"[red]{len(report.violations)} violation(s)[/red]"
     table.add_row("verdict", verdict)
     table.add_row("seconds", f"{seconds:.2f}")
     console.print(table)
-    for v in report.violations:
-        console.print(f"[red]VIOLATION[/red] {v.rule}: key {v.key} entry {v.n}"
-                      + (f" (stream seq {v.seq})" if v.seq else "") + f": {v.message}")
+    times = [*run.violation_times, *([0.0] * len(report.violations))]
+    for v, t in zip(report.violations, times, strict=False):
+        where = f" (stream seq {v.seq}, {stamp(t)})" if v.seq else ""
+        console.print("[red]VIOLATION[/red] " + escape(f"{v.rule}: key {v.key} entry {v.n}{where}: {v.message}"))
 
 
 async def export(args: argparse.Namespace) -> int:

@@ -29,7 +29,12 @@ class Record(msgspec.Struct, frozen=True):
 
     seq: int
     entry: LogEntry
-    ts: float = 0.0
+    ts: float = 0.0  # when the server stored it (0: not known)
+
+    def written_at(self) -> float:
+        """The writer's wall-clock time where it recorded one, else the server's stored time (both
+        informational: no rule depends on them)."""
+        return self.entry.at or self.ts
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,11 @@ class Auditor:
             Done: self._done,
         }
 
+    @property
+    def violations_found(self) -> int:
+        """Violations found so far by feeding (a caller can tell which entry raised one)."""
+        return len(self._violations)
+
     def _bad(self, key: str, n: int, seq: int | None, rule: ViolationRule, message: str) -> None:
         self._violations.append(Violation(key, n, rule, message, seq))
 
