@@ -429,6 +429,9 @@ _OPS: dict[str, CommandOp] = {op: op for op in get_args(CommandOp)}
 _VERBS: dict[str, WriteVerb] = {verb: verb for verb in get_args(WriteVerb)}
 
 
+_PLACE, _SURVEY = PlaceTimer(), SurveyTimer()  # the commonest purposes, read on every input
+
+
 def purpose_text(p: TimerPurpose) -> str:
     """The stored form of a purpose (``TimerArmed.purpose``, and part of the timer's id)."""
     match p:
@@ -452,9 +455,9 @@ def parse_purpose(text: str) -> TimerPurpose:
     """The one place a stored purpose string is read: every log ever written keeps the string form,
     so old entries decode unchanged. Total: what it cannot read is an ``UnknownTimer``."""
     if text == "place":
-        return PlaceTimer()
+        return _PLACE
     if text == "survey":
-        return SurveyTimer()
+        return _SURVEY
     kind, _, rest = text.partition("/")
     if rest:
         if kind == "restart":
