@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -27,6 +25,7 @@ from services.testbed.natsserver import NatsServer, free_port
 from shared.bus.provision import StreamsConfig, provision
 from shared.fence.schema import Command, CommandResult, Fence, HostHeartbeat, Spec, decode_input, encode
 from shared.subjects import Subjects
+from tests.agent.test_process import AgentProc
 
 from .conftest import NATS_PASSWORD_ENV, REPO
 from .test_nats_config import NATS_SERVER, single_node_config
@@ -39,7 +38,6 @@ USER = "agent-host-a"
 PASSWORD = NATS_PASSWORD_ENV["VMFENCE_NATS_AGENT_HOST_A_PASSWORD"]
 RECONCILER_PASSWORD = NATS_PASSWORD_ENV["VMFENCE_NATS_RECONCILER_PASSWORD"]
 READY_S = 30.0
-STOP_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -69,34 +67,8 @@ async def _provision(url: str) -> None:
         await nc.close()
 
 
-@dataclass
-class Proc:
-    proc: asyncio.subprocess.Process
-    raw: list[str] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.raw)
-
-    async def read(self) -> None:
-        assert self.proc.stderr is not None
-        async for line in self.proc.stderr:
-            text = line.decode(errors="replace").rstrip()
-            self.raw.append(text)
-            with contextlib.suppress(ValueError):
-                self.events.append(json.loads(text))
-
-    async def wait_event(self, event: str) -> None:
-        deadline = time.monotonic() + READY_S
-        while not any(e.get("event") == event for e in self.events):
-            assert self.proc.returncode is None, f"agent exited:\n{self.output}"
-            assert time.monotonic() < deadline, f"no {event!r} from the agent:\n{self.output}"
-            await asyncio.sleep(0.05)
-
-
 @contextlib.asynccontextmanager
-async def agent(tmp_path: Path, *args: str, **env: str) -> AsyncIterator[Proc]:
+async def agent(tmp_path: Path, *args: str, **env: str) -> AsyncIterator[AgentProc]:
     """``vmfence agent`` (the installed console script) as compose runs it: settings from VMFENCE_*."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("VMFENCE_")}
     proc = await asyncio.create_subprocess_exec(
@@ -105,21 +77,22 @@ async def agent(tmp_path: Path, *args: str, **env: str) -> AsyncIterator[Proc]:
         env={**clean, **env}, cwd=str(tmp_path), stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
-    p = Proc(proc)
-    reader = asyncio.create_task(p.read())
+    a = AgentProc(proc)
     try:
-        yield p
+        yield a
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), STOP_S)
-            except TimeoutError:
+        try:
+            await a.finish(signal.SIGTERM if proc.returncode is None else None)
+        finally:
+            if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
-        await asyncio.wait_for(reader, STOP_S)
-        assert proc.stdout is not None
-        p.raw.extend((await proc.stdout.read()).decode(errors="replace").splitlines())
+            assert proc.stdout is not None
+            a.raw.extend((await proc.stdout.read()).decode(errors="replace").splitlines())
+
+
+def output(a: AgentProc) -> str:
+    return "\n".join(a.raw)
 
 
 async def _heartbeat_and_command(url: str) -> None:
@@ -157,20 +130,20 @@ async def test_agent_logs_in_as_its_host_user(nats_url: str, tmp_path: Path) -> 
     async with agent(tmp_path, "--nats-url", nats_url, VMFENCE_NATS_USER=USER, VMFENCE_NATS_PASSWORD=PASSWORD) as a:
         await a.wait_event("ready")
         await _heartbeat_and_command(nats_url)
-    assert a.proc.returncode == 0, a.output
-    assert not [e for e in a.events if "Authorization" in str(e.get("msg")) or "permissions" in str(e.get("msg"))]
-    debug = [e for e in a.events if str(e.get("msg", "")).startswith("effective configuration")]
+    assert a.proc.returncode == 0, output(a)
+    assert not [e for e in a.lines if "Authorization" in str(e.get("msg")) or "permissions" in str(e.get("msg"))]
+    debug = [e for e in a.lines if str(e.get("msg", "")).startswith("effective configuration")]
     assert debug and "nats_password=***" in debug[0]["msg"] and f"nats_user={USER}" in debug[0]["msg"]
-    assert PASSWORD not in a.output
+    assert PASSWORD not in output(a)
 
 
 async def test_a_password_in_the_url_works_and_is_never_shown(nats_url: str, tmp_path: Path) -> None:
     url = nats_url.replace("nats://", f"nats://{USER}:{PASSWORD}@")
     async with agent(tmp_path, VMFENCE_NATS_URL=url) as a:
         await a.wait_event("ready")
-    assert a.proc.returncode == 0, a.output
-    assert PASSWORD not in a.output
-    assert f"{USER}:***@" in a.output  # the connecting line and the debug config show it masked
+    assert a.proc.returncode == 0, output(a)
+    assert PASSWORD not in output(a)
+    assert f"{USER}:***@" in output(a)  # the connecting line and the debug config show it masked
 
 
 async def test_a_wrong_password_is_one_clear_line(nats_url: str, tmp_path: Path) -> None:
@@ -178,15 +151,15 @@ async def test_a_wrong_password_is_one_clear_line(nats_url: str, tmp_path: Path)
     started = time.monotonic()
     async with agent(tmp_path, "--nats-url", nats_url, VMFENCE_NATS_USER=USER, VMFENCE_NATS_PASSWORD=wrong) as a:
         rc = await asyncio.wait_for(a.proc.wait(), READY_S)
-    assert rc == 1, a.output
+    assert rc == 1, output(a)
     assert time.monotonic() - started < 15, "a refused login is not retried until the connect timeout"
     plain = [line for line in a.raw if line and not line.startswith("{")]
-    assert len(plain) == 1, a.output
+    assert len(plain) == 1, output(a)
     assert plain[0].startswith("vmfence agent: error:") and "refused user 'agent-host-a'" in plain[0], plain
     assert "authorization violation" in plain[0]
-    warnings = [e for e in a.events if e.get("level") in ("warning", "error")]
+    warnings = [e for e in a.lines if e.get("level") in ("warning", "error")]
     assert not warnings, warnings  # no retry storm of "nats error" lines before it
-    assert wrong not in a.output and PASSWORD not in a.output
+    assert wrong not in output(a) and PASSWORD not in output(a)
 
 
 async def test_a_user_without_a_password_is_a_config_error(tmp_path: Path) -> None:
