@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -168,3 +169,17 @@ async def test_a_user_without_a_password_is_a_config_error(tmp_path: Path) -> No
     assert rc == 2
     assert a.raw == ["vmfence agent: error: --nats-user/VMFENCE_NATS_USER and "
                      "--nats-password/VMFENCE_NATS_PASSWORD go together"], a.raw
+
+
+@pytest.mark.parametrize("password", [NATS_PASSWORD_ENV["VMFENCE_NATS_AUDIT_PASSWORD"], "not-the-audit-password"])
+def test_operator_commands_log_in_through_the_same_settings(nats_url: str, tmp_path: Path, password: str) -> None:
+    """``vmfence decisions`` as the read-only audit user, from the same VMFENCE_NATS_* variables."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("VMFENCE_")}
+    env = {**clean, "VMFENCE_NATS_URL": nats_url, "VMFENCE_NATS_USER": "audit", "VMFENCE_NATS_PASSWORD": password}
+    out = subprocess.run([str(VMFENCE), "decisions", "--json"], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    right = password == NATS_PASSWORD_ENV["VMFENCE_NATS_AUDIT_PASSWORD"]
+    assert out.returncode == (0 if right else 2), out.stderr
+    if not right:
+        assert out.stderr.count("\n") == 1 and "refused user 'audit'" in out.stderr, out.stderr
+    assert password not in out.stdout + out.stderr
