@@ -144,7 +144,7 @@ class Executor:
             raise Answer("not_found", f"no VM {cmd.vm_id} on {self.host}")
         return row
 
-    def result(self, cmd: Command, outcome: ResultOutcome, *, error: str | None = None,
+    def _result(self, cmd: Command, outcome: ResultOutcome, *, error: str | None = None,
                info: VMInfo | None = None, snapshot: str | None = None,
                found: list[Inventoried] | None = None) -> CommandResult:
         vnc_port = None
@@ -165,7 +165,7 @@ class Executor:
                      bury: tuple[str, Fence] | None = None, claim: Iterable[tuple[str, str]] = (),
                      transfer_to: Fence | None = None) -> CommandResult:
         """Store the command's result by its id together with its ledger change, atomically."""
-        result = self.result(cmd, outcome, error=error, info=info, snapshot=snapshot, found=found)
+        result = self._result(cmd, outcome, error=error, info=info, snapshot=snapshot, found=found)
         await self.ledger.record(result, put=put, bury=bury, claim=claim, transfer_to=transfer_to)
         return result
 
