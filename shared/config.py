@@ -220,12 +220,15 @@ class Entry:
         return s.check(value) if s.check is not None else None
 
     def error(self, value: Any, problem: str) -> ConfigError:
-        return ConfigError(f"{self.label}={show(value)} {problem}")
+        """The one line; a secret, or a password inside a URL, is not repeated in it."""
+        shown = repr(MASK) if self.spec.secret else mask_url(show(value))
+        return ConfigError(f"{self.label}={shown} {problem}")
 
     def help_text(self) -> str:
         if self.spec.shown_default:
             default = self.spec.shown_default
-        elif self.default is dataclasses.MISSING or self.default in (None, "", (), False):
+        elif self.default is dataclasses.MISSING or self.default is None or self.default is False \
+                or self.default in ("", ()):
             default = ""
         else:
             default = show(self.default).strip("'")

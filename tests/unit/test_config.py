@@ -75,6 +75,10 @@ def test_defaults_and_names() -> None:
     assert names["nats_tls_ca"] == ("--nats-tls-ca", "VMFENCE_NATS_TLS_CA")
     assert names["http_port"] == ("--http-port", "VMFENCE_HTTP_PORT")
     assert "plain" not in names
+    help_of = {e.name: e.help_text() for e in entries(Demo)}
+    assert help_of["workers"] == "worker tasks [VMFENCE_WORKERS, default 4]"
+    assert help_of["token"] == "an API token [VMFENCE_TOKEN]"
+    assert "default 0" in {e.name: e.help_text() for e in entries(ReconcilerConfig)}["max_partitions"]
 
 
 def test_flag_beats_environment_beats_default() -> None:
@@ -112,6 +116,7 @@ def test_flag_beats_environment_beats_default() -> None:
                                          "go together"),
         ([], {"VMFENCE_NATS_TLS_CERT": __file__}, "--nats-tls-cert/VMFENCE_NATS_TLS_CERT and --nats-tls-key"),
         (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
+        (["--nats-url", "nats://u:pw-secret@h:1/x"], {}, "--nats-url/VMFENCE_NATS_URL='nats://u:***@h:1/x' must be"),
     ],
 )
 def test_a_bad_value_is_one_line(argv: list[str], env: dict[str, str], line: str) -> None:
@@ -119,6 +124,7 @@ def test_a_bad_value_is_one_line(argv: list[str], env: dict[str, str], line: str
         load(Demo, argv, env=env)
     text = str(err.value)
     assert "\n" not in text and text.startswith(line), text
+    assert "secret" not in text
 
 
 def test_start_prints_the_one_line_and_asks_for_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
