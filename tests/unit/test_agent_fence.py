@@ -1,15 +1,21 @@
 """The agent's fence tables (shared/fence/agentfence.py): every cell defined, and the rules of rule 4
-hold for any fences, not only the ones a scenario happens to use."""
+hold for any fences, not only the ones a scenario happens to use. Then the executor's side: one
+static table of steps, and one mapping of the runtime's doubts to outcomes for every op."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import get_args
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from services.agent.executor import Executor
+from services.agent.ledger import Ledger
+from services.agent.runtime.sim import SimDriver
 from shared.fence import agentfence as af
-from shared.fence.schema import CommandOp, Fence
+from shared.fence.schema import Command, CommandOp, Fence, ResultOutcome, Spec
 
 OPS: tuple[CommandOp, ...] = get_args(CommandOp)
 VM_OPS = tuple(op for op in OPS if op != "survey")  # a survey names no VM
@@ -138,3 +144,48 @@ def test_every_op_has_one_step_and_the_table_a_class() -> None:
     assert set(STEPS) == set(OPS) == set(af.OP_CLASS)
     assert len({id(step) for step in STEPS.values()}) == len(STEPS)
     assert [op for op, step in STEPS.items() if not step.replay] == ["survey"]
+
+
+# (op, whether the VM is in the ledger first) -> what a runtime failing the inspect answers; an
+# inconclusive inspect answers "inconclusive" for every one of them
+DOUBTS: dict[tuple[CommandOp, bool], ResultOutcome] = {
+    ("create", False): "failed",
+    ("remove", False): "failed",
+    ("start", True): "failed",
+    ("hibernate", True): "failed",
+    ("adopt", True): "inconclusive",  # changes nothing until the runtime answers: asked again
+    ("inspect", True): "inconclusive",
+}
+
+
+@pytest.mark.parametrize("doubt", ["inconclusive", "fail"])
+@pytest.mark.parametrize(("op", "made"), list(DOUBTS))
+async def test_a_doubtful_inspect_answers_the_same_way_for_every_op(
+    tmp_path: Path, op: CommandOp, made: bool, doubt: str
+) -> None:
+    ledger = Ledger(str(tmp_path / "ledger.sqlite3"))
+    await ledger.open()
+    driver = SimDriver(state_dir=str(tmp_path / "rt"), vnc_displays=range(10, 20))
+    await driver.open()
+    ex = Executor(ledger=ledger, driver=driver, host="h1", snapshot_dir=str(tmp_path / "snap"), vnc=False)
+    f = Fence("default/web", "u1", 1)
+    try:
+        if made:
+            made_vm, _ = await ex.execute(Command("c-make", "create", f, "h1", "vm-1", Spec()))
+            assert made_vm.outcome == "ok"
+        if doubt == "inconclusive":
+            driver.faults.inconclusive(vm_id="vm-1")
+        else:
+            driver.faults.fail("inspect", vm_id="vm-1", message="the runtime is down")
+        result, replayed = await ex.execute(Command("c-doubt", op, f, "h1", "vm-1", Spec()))
+        assert not replayed
+        assert result.outcome == ("inconclusive" if doubt == "inconclusive" else DOUBTS[op, made])
+        assert result.error and ("inspect" in result.error)
+        if made:  # a doubt changes nothing in the ledger
+            row = ledger.vm("vm-1")
+            assert row is not None and row.state == "running" and row.fence == f
+        else:
+            assert ledger.vm("vm-1") is None and await driver.inspect("vm-1") is None
+    finally:
+        await driver.close()
+        await ledger.close()
