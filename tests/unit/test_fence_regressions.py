@@ -11,7 +11,9 @@ from shared.fence.audit import audit
 from shared.fence.decide import DecideEnv
 from shared.fence.schema import (
     Adopted,
+    Bound,
     Commanded,
+    CommandResult,
     ConfirmRequested,
     DeleteClaimed,
     Done,
@@ -177,3 +179,22 @@ def test_a_forgotten_incarnations_adopt_answered_late_still_collects_the_vm() ->
     assert d.state.vms == {}
     report = audit(d.log, final=True)
     assert report.clean, report.violations
+
+
+def test_a_result_that_contradicts_its_command_is_skipped_and_never_applied() -> None:
+    """A result names its command by id; one whose fence or VM is not that command's (a corrupt or
+    misrouted report) contradicts the log: ``Skipped(stale_effect)``, the command stays
+    outstanding, nothing is bound (DESIGN: "a report that contradicts the log is Skipped with a
+    reason, never acted on"; guards the fence/VM comparison at the top of ``_on_result``)."""
+    d = Driver()
+    d.run_up("u1")
+    d.admit("u2")
+    d.answer(d.commands("remove")[0])
+    (create,) = d.commands("create")
+    assert create.fence == Fence(KEY, "u2", 2)
+    for fence, vm_id in ((Fence(KEY, "u1", 1), create.vm_id), (create.fence, "web-v1-other-1")):
+        out = d.feed(CommandResult(fence, create.id, "create", create.host, vm_id, "ok", ip="10.0.0.9"))
+        assert [s.reason for s in of(out, Skipped)] == ["stale_effect"], (fence, vm_id, out)
+        assert of(out, Bound) == [] and of(out, Done) == []
+        assert d.commands("create") == [create] and not d.state.cur.bound  # type: ignore[union-attr]
+    assert of(d.answer(create, ip="10.0.0.9"), Bound), "the command's own answer still binds it"
