@@ -16,6 +16,14 @@ if ! command -v qemu-system-x86_64 >/dev/null 2>&1 || ! command -v qemu-img >/de
   fi
 fi
 
+# Debian's Chromium, headless, for the test that opens the HTML audit report in a real browser
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "bootstrap: installing chromium from apt (the report's browser test)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >/dev/null || true
+  apt-get install -y -qq chromium >/dev/null || echo "bootstrap: chromium install failed; the browser test will be skipped" >&2
+fi
+
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

@@ -121,13 +121,15 @@ def _version() -> str:
         return "unknown"
 
 
-def report_json(run: AuditRun, report: AuditReport, *, seconds: float, created: str) -> dict[str, Any]:
+def report_json(run: AuditRun, report: AuditReport, *, seconds: float, cpu_seconds: float,
+                created: str) -> dict[str, Any]:
     """The report as ``replay --json`` prints it: the audit, its origin, when and by what it was made."""
     out: dict[str, Any] = msgspec.to_builtins(report)
     for v, t in zip(out["violations"], [*run.violation_times, *([0.0] * len(report.violations))], strict=False):
         v["time"] = stamp(t)
     out["clean"] = report.clean
     out["seconds"] = round(seconds, 6)
+    out["cpu_seconds"] = round(cpu_seconds, 6)
     out["origin"] = msgspec.to_builtins(run.origin)
     out["created"] = created
     out["vmfence_version"] = _version()
@@ -135,7 +137,7 @@ def report_json(run: AuditRun, report: AuditReport, *, seconds: float, created: 
 
 
 async def replay(args: argparse.Namespace) -> int:
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     created = stamp(time.time())
     # What exists now is long-lived, and decoded entries are never cyclic garbage (refcounting frees
     # them): the cyclic collector would only re-walk the auditor's growing state, so it is off for
@@ -147,7 +149,7 @@ async def replay(args: argparse.Namespace) -> int:
         report = run.report(final=not args.not_final)
     finally:
         gc.enable()
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     if args.html:
         from services.cli.report import ReportContext, write_html
 
@@ -158,7 +160,8 @@ async def replay(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise CliError(f"cannot write {args.html}: {exc.strerror or exc}") from None
     if args.json:
-        sys.stdout.write(msgspec.json.encode(report_json(run, report, seconds=seconds, created=created)).decode()
+        sys.stdout.write(msgspec.json.encode(report_json(run, report, seconds=seconds, cpu_seconds=cpu_seconds,
+                                                      created=created)).decode()
                          + "\n")
     else:
         _print_report(run, report, seconds)

@@ -61,6 +61,14 @@ def _bench_all(args: argparse.Namespace) -> int:
     return bench_all(args)
 
 
+def _bench_replay(args: argparse.Namespace) -> int:
+    from services.testbed.bench.replayfile import replay_bench
+    from services.testbed.output import emit
+
+    emit(replay_bench(args.entries), args.json)
+    return 0
+
+
 def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("bench", help="benchmarks (JSON results)")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
@@ -75,6 +83,10 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     v.add_argument("--guest-boots", type=int, default=3, help="guest VMs booted for guest_boot_p50_s (qemu)")
     v.add_argument("--json", action="store_true", help="one JSON object on stdout")
     v.set_defaults(run=_bench_vm)
+    r = bsub.add_parser("replay", help="replay of an export file of N entries vs decoding the same file")
+    r.add_argument("--entries", type=int, default=100_000, help="entries in the generated log")
+    r.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    r.set_defaults(run=_bench_replay)
     a = bsub.add_parser("all", help="every figure beside a baseline from the same run (JSON)")
     a.add_argument("--size", choices=sorted(SIZES), default="smoke", help="smoke (CI), or larger runs")
     a.add_argument("--only", default=",".join(ALL_FIGURES), help=f"comma-separated subset of {','.join(ALL_FIGURES)}")
