@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
 from shared.fence.schema import ResultOutcome
@@ -24,17 +25,19 @@ class Answer(Exception):
         self.error = error
 
 
-class Step:
+class Step(ABC):
     """One op: look at the ledger row (given) and the runtime (through the executor), act only on
     the difference, record the result by command id together with the ledger change, verify.
 
     The executor runs it under the VM's lock, after the ledger replay and the fence checks, and
     answers an ``Answer`` it raises; a step never calls the runtime but through the executor's
-    ``inspect``/``effect``/``bring_up``, which map runtime doubts and failures to outcomes.
+    ``inspect``/``peek``/``effect``/``transition``/``bring_up``, which bound every call, map the
+    runtime's doubts and failures to outcomes and record intent before effect.
     """
 
     # a redelivery is answered with the stored result (rule 11); a survey is a question about now
     replay: ClassVar[bool] = True
 
+    @abstractmethod
     async def run(self, ex: Executor, cmd: Command, row: VMRow | None) -> CommandResult:
-        raise NotImplementedError
+        """The command's result, recorded by its id (or raise ``Answer``)."""
