@@ -5,6 +5,7 @@ flag of every service."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -200,3 +201,11 @@ def test_services_keep_their_own_defaults() -> None:
     assert load(AgentConfig, ["--data-dir", "/tmp/vmfence-test-config"], env={}).http_port == 9102
     assert load(ReconcilerConfig, [], env={}).http_port == 9180
     assert load(WatcherConfig, [], env={}).http_host == "127.0.0.1"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nkeys") is not None, reason="nkeys is installed")
+def test_creds_without_the_nkeys_package_is_one_line(tmp_path: Path) -> None:
+    creds = tmp_path / "agent.creds"
+    creds.write_text("-----BEGIN NATS USER JWT-----\n")
+    with pytest.raises(ConfigError, match=r"need the nkeys package \(pip install nkeys\)"):
+        load(Demo, ["--nats-creds", str(creds)], env={})
