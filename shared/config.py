@@ -13,8 +13,9 @@ a :class:`ConfigError` whose text is the one line the operator sees; :func:`star
 
 Groups every service shares are mixins declared here once: :class:`NatsSettings` (URL, user and
 password, creds, nkey seed, TLS CA/cert/key), :class:`BusSettings` (prefix, partitions),
-:class:`LogSettings` (``--log-format``, ``--log-level``) and :class:`HttpSettings` (the /metrics,
-/livez, /readyz address). A service may change a shared setting's default with :func:`override`.
+:class:`LogSettings` (``--log-format``, ``--log-level``), :class:`HttpSettings` (the /metrics,
+/livez, /readyz address) and :class:`KubeSettings` (the kubeconfig). A service may change a shared
+setting's default with :func:`override`.
 
 :func:`start` also sets up logging and logs the effective configuration at debug level, secrets
 (``secret=True`` settings, a password inside a URL) masked.
@@ -443,6 +444,13 @@ class LogSettings(Config):
 class HttpSettings(Config):
     http_host: str = setting("127.0.0.1", "bind address of /metrics, /livez, /readyz")
     http_port: int = setting(9180, "port of /metrics, /livez, /readyz; 0 = any free port", lo=0, hi=65535)
+
+
+@dataclass(frozen=True)
+class KubeSettings(Config):
+    """For the services that talk to Kubernetes (watcher, reconciler)."""
+
+    kubeconfig: str | None = setting(None, "kubeconfig file (absent: in-cluster)", file=True)
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,13 @@ import uuid
 from dataclasses import dataclass
 from typing import ClassVar
 
-from shared.config import ConfigError, HttpSettings, ServiceSettings, override, setting
+from shared.config import ConfigError, HttpSettings, KubeSettings, ServiceSettings, override, setting
 
 __all__ = ["ConfigError", "ReconcilerConfig"]
 
 
 @dataclass(frozen=True)
-class ReconcilerConfig(ServiceSettings):
+class ReconcilerConfig(ServiceSettings, KubeSettings):
     PROG: ClassVar[str] = "vmfence reconciler"
     DESCRIPTION: ClassVar[str] = "Decide, append, and carry out effects."
 
@@ -23,7 +23,6 @@ class ReconcilerConfig(ServiceSettings):
     replicas: int = setting(1, "JetStream replicas of the streams it provisions: 1 or 3", choices=(1, 3))
     id: str = setting("", "this reconciler's writer id", shown_default="<hostname>-<pid>-<random>")
     data_dir: str = setting(".vmfence/reconciler", "where partition snapshots are kept")
-    kubeconfig: str | None = setting(None, "kubeconfig file (absent: in-cluster)", file=True)
     kube: str = setting("auto", "auto, or none for no Kubernetes (benchmarks)", choices=("auto", "none"))
     lease_ttl_s: float = setting(10.0, "seconds a partition lease lives unrenewed", flag="--lease-ttl", lo=1.0)
     max_partitions: int = setting(0, "most partitions to hold; 0 = a fair share", lo=0, hi=4096)

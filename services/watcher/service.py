@@ -23,7 +23,7 @@ from kubernetes_asyncio import client, config
 
 from shared.bus.connect import Bus, NatsAuthError
 from shared.bus.wire import META_PARTITIONS
-from shared.config import EXIT_CONFIG, ConfigError, ServiceSettings, config_error, load, setting, start
+from shared.config import EXIT_CONFIG, ConfigError, KubeSettings, ServiceSettings, config_error, load, setting, start
 from shared.httpserve import HealthServer
 
 from .watch import WATCH_TIMEOUT_S, Watcher
@@ -34,11 +34,10 @@ __all__ = ["ConfigError", "WatcherConfig", "main", "parse", "serve"]
 
 
 @dataclass(frozen=True)
-class WatcherConfig(ServiceSettings):
+class WatcherConfig(ServiceSettings, KubeSettings):
     PROG: ClassVar[str] = "vmfence watcher"
     DESCRIPTION: ClassVar[str] = "List/watch pods and VirtualMachines into VMFENCE_IN."
 
-    kubeconfig: str | None = setting(None, "kubeconfig file (absent: in-cluster)", file=True)
     namespace: str | None = setting(None, "watch one namespace (default: all)",
                                     pattern=r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", want="a namespace name")
     watch_timeout_s: int = setting(WATCH_TIMEOUT_S, "seconds one watch request lasts before it is renewed",
