@@ -7,13 +7,16 @@ thing that refuses it; each was seen to pass a mutant without that check."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from nats.aio.client import Client
 
 from services.agent.config import AgentConfig
+from services.agent.ledger import LEDGER_FILE
+from services.agent.runtime import VMSpec
 from services.agent.runtime.sim import SimDriver
 from services.agent.service import Agent
-from shared.fence.schema import SURVEY_VM_ID, Command, CommandResult, Fence, Input
+from shared.fence.schema import SURVEY_VM_ID, Command, CommandResult, Fence, Input, VMGone
 
 from .conftest import Reports, command, fence, send, sim_driver
 
@@ -121,3 +124,97 @@ async def test_a_resent_survey_of_an_older_epoch_never_lowers_the_keys_mark(
         assert stale.outcome == "fenced" and stale.key_epoch == 3, stale
         assert agent.ledger.key_mark(fence(1).key) == 3
         assert driver.all_vms() == ["m-3"]
+
+
+async def test_a_rival_at_the_owners_epoch_never_collects_or_adopts_the_vm(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig]
+) -> None:
+    """Rule 4: at the owner's epoch only the owner's uid may touch the VM. A remove is exempt from
+    the key's mark (cleanup carries the owner's own, possibly old, fence), so the owner check alone
+    refuses a remove under another uid at that epoch; an adopt or a look under it likewise."""
+    cfg = make_config()
+    owner, rival = fence(2, uid="uid-a"), fence(2, uid="uid-b")
+    driver = sim_driver(cfg)
+    async with Agent(cfg, driver=driver) as agent:
+        assert (await run(nc, reports, command("create", "r-1", owner))).outcome == "ok"
+        since = len(driver.history)
+        for op in ("remove", "adopt", "start"):
+            r = await run(nc, reports, command(op, "r-1", rival))
+            assert r.outcome == "fenced", (op, r)
+            assert [(i.vm_id, i.fence) for i in r.found] == [("r-1", owner)], (op, r)
+        assert effects_on(driver, "r-1", since) == [] and driver.running_vms() == ["r-1"]
+        assert agent.ledger.owner("r-1") == owner
+
+
+def _lose_ledger(cfg: AgentConfig) -> None:
+    """The agent's data dir is gone (a new disk, a wiped volume): the runtime keeps its VMs."""
+    base = Path(cfg.data_dir) / LEDGER_FILE
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{base}{suffix}").unlink(missing_ok=True)
+
+
+async def test_with_its_ledger_lost_the_vms_labels_still_fence_it(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig]
+) -> None:
+    """Rule 4 without the ledger: a restarted agent whose ledger (owners, key marks) was lost still
+    finds each VM's owner fence on its runtime labels, and refuses an adopt, a create or a remove
+    under an older fence there — the only check left once the key's mark is gone too."""
+    cfg = make_config()
+    owner = fence(3)
+    async with Agent(cfg, driver=sim_driver(cfg)):
+        assert (await run(nc, reports, command("create", "l-1", owner))).outcome == "ok"
+    _lose_ledger(cfg)
+    driver = sim_driver(cfg)
+    async with Agent(cfg, driver=driver) as agent:
+        assert agent.ledger.owner("l-1") is None and agent.ledger.key_mark(owner.key) == 0
+        assert driver.running_vms() == ["l-1"]
+        since = len(driver.history)
+        for op, older in (("adopt", fence(1)), ("create", fence(2)), ("remove", fence(1))):
+            r = await run(nc, reports, command(op, "l-1", older))
+            assert r.outcome == "fenced", (op, r)
+            assert r.error is not None and "older than the owner" in r.error, (op, r)
+        assert effects_on(driver, "l-1", since) == [], "an older fence acted on the VM its labels say is newer"
+        assert driver.running_vms() == ["l-1"] and agent.ledger.owner("l-1") is None
+        # its owner may still collect it
+        assert (await run(nc, reports, command("remove", "l-1", owner))).outcome == "ok"
+        assert driver.all_vms() == []
+
+
+async def test_a_buried_vm_id_the_runtime_shows_again_is_never_adopted(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig]
+) -> None:
+    """Rule 4/8: the runtime lost a VM and the agent buried its vm_id (the reconciler releases it
+    and makes a new one); if the runtime then shows a VM under that name again, an adopt — which
+    asks the runtime first — still refuses it: a vm_id is never brought back."""
+    cfg = make_config()
+    driver = sim_driver(cfg)
+    async with Agent(cfg, driver=driver) as agent:
+        assert (await run(nc, reports, command("create", "b-1", fence(1)))).outcome == "ok"
+        driver.lose_vm("b-1")
+        await agent.inventory()  # the inventory's look (or the prober) notices it: buried as lost
+        await reports.wait(lambda i: isinstance(i, VMGone) and i.vm_id == "b-1")
+        assert agent.ledger.tombstone("b-1") is not None and agent.ledger.owner("b-1") is None
+        await driver.create(VMSpec(vm_id="b-1"))  # the runtime shows a VM of that name again
+        r = await run(nc, reports, command("adopt", "b-1", fence(2)))
+        assert r.outcome == "fenced", r
+        assert agent.ledger.owner("b-1") is None, "a buried vm_id was adopted"
+
+
+async def test_an_adopt_whose_inspect_fails_is_inconclusive_never_a_failure(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig]
+) -> None:
+    """Rule 8: an adopt moves ownership only after the runtime confirms the VM. An inspect that fails
+    says nothing about the VM: the answer is ``inconclusive`` (the reconciler asks again), never
+    ``failed`` (which releases the VM and makes a second one beside it)."""
+    cfg = make_config()
+    old, new = fence(1), fence(2)
+    driver = sim_driver(cfg)
+    async with Agent(cfg, driver=driver) as agent:
+        assert (await run(nc, reports, command("create", "i-1", old))).outcome == "ok"
+        driver.faults.fail("inspect", vm_id="i-1")
+        r = await run(nc, reports, command("adopt", "i-1", new))
+        assert r.outcome == "inconclusive", r
+        assert agent.ledger.owner("i-1") == old
+        again = await run(nc, reports, command("adopt", "i-1", new, cid="adopt-again"))
+        assert again.outcome == "ok" and agent.ledger.owner("i-1") == new
+        assert driver.running_vms() == ["i-1"]
