@@ -972,10 +972,16 @@ def _timer_survey(run: _Run, fence: Fence, p: SurveyTimer) -> None:
 
 
 def _timer_retry(run: _Run, fence: Fence, p: RetryTimer) -> None:
-    """The op again, for the VM's owner as long as it still owns it (a predecessor's remove too)."""
-    rec = run.s.vms.get(p.vm_id)
+    """The op again, for the VM's owner as long as it still owns it (a predecessor's remove too),
+    carrying what the first one carried: the incarnation's spec (a create must not come back as a
+    default VM) and, for a wake, the snapshot in the log (rule 10: never a blank VM)."""
+    s = run.s
+    rec = s.vms.get(p.vm_id)
     if rec is not None and rec.fence == fence:
-        _command(run, p.op, rec.fence, rec.host, p.vm_id, None)
+        cur = _cur_of(s, fence)
+        spec = cur.spec if cur is not None and p.op in _CARRIES_SPEC else None
+        snapshot = cur.snapshot if cur is not None and p.op in _CARRIES_SNAPSHOT else None
+        _command(run, p.op, rec.fence, rec.host, p.vm_id, spec, snapshot)
 
 
 def _timer_place(run: _Run, fence: Fence, p: PlaceTimer) -> None:
@@ -1066,7 +1072,8 @@ def _wake(run: _Run, cur: Incarnation) -> None:
 
 
 def _command(
-    run: _Run, op: CommandOp, fence: Fence, host: str, vm_id: str, spec: Spec | None
+    run: _Run, op: CommandOp, fence: Fence, host: str, vm_id: str, spec: Spec | None,
+    snapshot: str | None = None,
 ) -> None:
     cmd = Command(
         # agents dedupe by id across all keys: the uid makes it global (the key stands in for a
@@ -1077,8 +1084,19 @@ def _command(
         host=host,
         vm_id=vm_id,
         spec=spec or Spec(),
+        snapshot=snapshot,
     )
     run.add(Commanded(cmd))
+
+
+# what a command re-sent by a RetryTimer carries from the incarnation, by op (as the first one did)
+_CARRIES_SPEC: frozenset[CommandOp] = frozenset({"create", "start", "wake", "hibernate", "adopt"})
+_CARRIES_SNAPSHOT: frozenset[CommandOp] = frozenset({"wake"})
+
+
+def _cur_of(s: KeyState, fence: Fence) -> Incarnation | None:
+    """The current incarnation if ``fence`` is its fence."""
+    return s.cur if s.cur is not None and s.cur.fence == fence else None
 
 
 def _arm(run: _Run, fence: Fence, purpose: TimerPurpose, delay_s: float) -> None:
