@@ -198,3 +198,25 @@ def test_a_result_that_contradicts_its_command_is_skipped_and_never_applied() ->
         assert of(out, Bound) == [] and of(out, Done) == []
         assert d.commands("create") == [create] and not d.state.cur.bound  # type: ignore[union-attr]
     assert of(d.answer(create, ip="10.0.0.9"), Bound), "the command's own answer still binds it"
+
+
+def test_a_predecessors_start_answered_ok_after_the_adoption_is_never_bound_to_the_successor() -> None:
+    """u1's VM exits and its restart (``start`` under u1's fence) is out when u2 adopts the VM; the
+    adopt is answered first, then the start's ``ok`` (the agent re-sends it from its ledger after a
+    lost publish). The start's answer is never applied under u2's fence: no ``Bound`` cites u1's
+    command and the log stays auditable (rule 4; guards ``cur.fence == cmd.fence`` in ``_up_ok``).
+    (That the successor's VM is then removed is not asserted here: see the mutants report.)"""
+    d = Driver()
+    c1 = d.run_up("u1", Spec(on_recreate="adopt"))
+    out = d.feed(VMExited(c1.fence, c1.host, c1.vm_id, 1))
+    (timer,) = of(out, TimerArmed)
+    d.feed(TimerFired(timer.fence, timer.timer_id))
+    (start,) = d.commands("start")
+    d.admit("u2", Spec(on_recreate="adopt"))
+    (adopt,) = d.commands("adopt")
+    d.answer(adopt, ip="10.0.0.9")
+    assert d.state.cur is not None and d.state.cur.bound and d.state.cur.vm_id == c1.vm_id
+    out = d.answer(start, ip="10.0.0.9")
+    assert [b for b in of(out, Bound) if b.command_id == start.id] == [], "u1's start was applied to u2"
+    report = audit(d.log, final=False)
+    assert report.clean, report.violations
