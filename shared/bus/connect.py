@@ -146,11 +146,16 @@ async def connect(
     refused = asyncio.Event()
     connected = False
 
+    seen: set[str] = set()
+
     async def on_error(exc: Exception) -> None:
-        if not connected and _is_refusal(exc):
+        if connected:
+            await _on_error(exc)
+        elif _is_refusal(exc):
             refused.set()  # the server answered: retrying the same credentials cannot help
-            return
-        await _on_error(exc)
+        elif repr(exc) not in seen:  # the caller reports the outcome; each cause once, no storm
+            seen.add(repr(exc))
+            log.info("nats connect attempt failed: %r (retrying)", exc)
 
     nc = Client()
     attempt = asyncio.ensure_future(nc.connect(
