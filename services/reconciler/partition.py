@@ -42,6 +42,7 @@ from shared.fence.schema import (
     Rebuilt,
     Skipped,
     TimerArmed,
+    UnknownVersion,
     WriteRequested,
     decision_name,
     decode_entry,
@@ -339,6 +340,9 @@ class Partition:
         try:
             inp = decode_input(msg.data)
             key = str(self.subjects.key_of_in_subject(msg.subject))
+        except UnknownVersion as exc:
+            await self._dead_letter(msg, f"unknown input version: {exc}")
+            return
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, UnicodeDecodeError) as exc:
             await self._dead_letter(msg, f"undecodable input: {exc}")
             return
@@ -371,6 +375,8 @@ class Partition:
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
         log.warning("dead letter: %s", reason, extra={"partition": self.p})
         metrics.DEAD_LETTERS.labels(reason.split(":")[0]).inc()
+        self.stats["dead_lettered"] += 1
+        self.stats[f"dead_lettered:{reason.split(':')[0]}"] += 1
         await dead_letter(
             self.js, self.subjects, source="reconciler", reason=reason, subject=msg.subject,
             data=msg.data, headers=msg.headers,

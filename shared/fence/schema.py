@@ -597,8 +597,32 @@ def encode(obj: msgspec.Struct) -> bytes:
     return _json_encoder.encode(obj)
 
 
+class UnknownVersion(ValueError):
+    """A message of a schema version this reader does not know: refused, never misread."""
+
+
+# the input versions this reader understands (a writer newer than the reader is refused, as the
+# agent refuses a newer command: its fields may mean what this version cannot tell)
+INPUT_VERSIONS = range(1, SCHEMA_VERSION + 1)
+
+
 def decode_input(data: bytes) -> Input:
-    return _input_decoder.decode(data)
+    """Decode one input; ``UnknownVersion`` for a ``v`` (its own or a survey find's) not in
+    ``INPUT_VERSIONS``, msgspec's errors for anything else that is not an input."""
+    inp = _input_decoder.decode(data)
+    if inp.v not in INPUT_VERSIONS:
+        raise UnknownVersion(f"{tag_of(inp)} of schema version {inp.v}; this reader reads "
+                             f"{INPUT_VERSIONS.start}..{INPUT_VERSIONS.stop - 1}")
+    if isinstance(inp, CommandResult):
+        for item in inp.found:
+            if item.v not in INPUT_VERSIONS:
+                raise UnknownVersion(f"inventory item of schema version {item.v} in a result")
+    return inp
+
+
+def tag_of(obj: msgspec.Struct) -> str:
+    """The tag a tagged struct (an input or a decision) travels under."""
+    return str(type(obj).__struct_config__.tag)
 
 
 def decode_entry(data: bytes) -> LogEntry:
