@@ -103,6 +103,11 @@ class Subjects:
     def cmd_all(self) -> str:
         return f"{self.prefix}.cmd.>"
 
+    def inventory_query(self, host: str) -> str:
+        """Core NATS request/reply (not a stream): a host's agent answers with what it has now
+        (``vmfence verify``); only read-only identities may ask, only that host's agent answers."""
+        return f"{self.prefix}.agent.{encode_token(host)}.inventory"
+
     def dlq(self, source: str) -> str:
         return f"{self.prefix}.dlq.{encode_token(source)}"
 

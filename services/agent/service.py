@@ -36,6 +36,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.kv import KeyValue
 
+from services.agent.answers import inventory_responder
 from services.agent.config import AgentConfig
 from services.agent.executor import Executor, VMLocks, labels_fence
 from services.agent.ledger import LEDGER_FILE, TRANSIENT_STATES, Ledger
@@ -237,6 +238,7 @@ class Agent:
                     provision(self.bus.js, self.subjects, StreamsConfig(partitions=cfg.partitions)), "provision"
                 )
             psub = await self._startup(self._subscribe(), "create the command consumer")
+            await self._startup(self._answer_queries(), "answer inventory queries")
             await self._start_http()
             await self._startup(self.inventory(), "publish the inventory")
             await self._startup(self.heartbeat(), "write the heartbeat")
@@ -536,6 +538,12 @@ class Agent:
             log.warning("VM gone: the runtime no longer knows it", extra=fence_fields(fence, vm_id, event="gone"))
 
     # ------------------------------------------------------------------ inventory & heartbeat
+    async def _answer_queries(self) -> None:
+        """Answer ``vmfence verify``'s inventory queries (read-only; ended with the connection)."""
+        assert self.bus is not None
+        await self.bus.nc.subscribe(self.subjects.inventory_query(self.config.host),
+                                    cb=inventory_responder(self.config.host, self.ledger, self.driver))
+
     async def inventory(self) -> str:
         """Publish one Inventoried per VM (ledger plus runtime) and return the round id."""
         assert self.executor is not None

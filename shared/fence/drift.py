@@ -41,6 +41,14 @@ class HostVM(msgspec.Struct, frozen=True):
     state: str
 
 
+class InventoryAnswer(msgspec.Struct, frozen=True, tag="inventory_answer"):
+    """A host's answer to an inventory query: every VM its runtime lists or its ledger holds."""
+
+    host: str
+    vms: list[HostVM]
+    v: int = 1
+
+
 class ApiObject(msgspec.Struct, frozen=True):
     """A pod or VirtualMachine of vmfence's as the API holds it (a consistent list)."""
 
