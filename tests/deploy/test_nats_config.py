@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats
+import nats.aio.msg
 import nats.errors
 import nats.js.errors
 import pytest
@@ -569,3 +570,31 @@ async def test_three_node_cluster_from_the_node_configs(cluster_urls: list[str])
         assert ack.seq == 1
     finally:
         await nc.close()
+
+
+async def test_inventory_queries_only_audit_asks_and_only_that_hosts_agent_answers(nats_url: str) -> None:
+    """`vmfence verify` asks each host's agent on core request/reply: audit may ask; an agent may
+    answer its own host's question (on the asker's reply subject) and may neither listen to another
+    host's questions nor ask one itself; the watcher may not ask."""
+    agent_a = await connect(nats_url, "agent-host-a")
+    agent_b = await connect(nats_url, "agent-host-b")
+    audit = await connect(nats_url, "audit")
+    watcher = await connect(nats_url, "watcher")
+    try:
+        async def answer(msg: nats.aio.msg.Msg) -> None:
+            await msg.respond(b"host-a's VMs")
+
+        await agent_a.nc.subscribe("vmfence.agent.host-a.inventory", cb=answer)
+        await agent_a.nc.flush()
+        reply = await audit.nc.request("vmfence.agent.host-a.inventory", b"", timeout=2)
+        assert reply.data == b"host-a's VMs"
+        await agent_b.nc.subscribe("vmfence.agent.host-a.inventory")  # listening to another host
+        await agent_b.nc.flush()
+        await agent_b.wait_violation("vmfence.agent.host-a.inventory")
+        for asker in (agent_b, watcher):
+            await asker.nc.publish("vmfence.agent.host-a.inventory", b"", reply="_INBOX.x")
+            await asker.nc.flush()
+            await asker.wait_violation("vmfence.agent.host-a.inventory")
+    finally:
+        for c in (agent_a, agent_b, audit, watcher):
+            await c.nc.close()
