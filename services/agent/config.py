@@ -74,6 +74,12 @@ class AgentConfig(ServiceSettings):
     fetch_timeout: float = _seconds(1.0, "seconds one fetch of commands waits")
     shutdown_timeout: float = _seconds(20.0, "seconds to finish in-flight commands on SIGTERM")
     op_timeout: float = _seconds(300.0, "seconds one runtime operation may take")
+    command_attempts: int = setting(
+        8, "deliveries of a command that keeps failing before it is answered failed (backoff doubles each)",
+        lo=1, hi=100,
+    )
+    retry_base: float = _seconds(1.0, "seconds before the first redelivery of a command that failed")
+    retry_max: float = _seconds(60.0, "longest wait between redeliveries of a failing command")
     connect_timeout: float = _seconds(30.0, "seconds each startup network step may take (NATS connect, consumer, KV)")
     provision: bool = setting(False, "create/update streams and buckets at start (development stacks)")
     cleanup_on_stop: bool = setting(False, "remove this agent's VMs on stop (throw-away local stacks only)")
@@ -99,6 +105,8 @@ class AgentConfig(ServiceSettings):
         super().check()
         if self.max_ack_pending < self.max_concurrency:
             raise ConfigError("--max-ack-pending must be at least --max-concurrency")
+        if self.retry_max < self.retry_base:
+            raise ConfigError("--retry-max must be at least --retry-base")
         if self.sim_faults and self.runtime != "sim":
             raise ConfigError("--sim-fault needs --runtime sim")
         for label, path in (("data dir", self.data_dir), ("snapshot dir", self.snapshots)):

@@ -49,7 +49,10 @@ log = logging.getLogger("vmfence.agent.executor")
 
 T = TypeVar("T")
 
-__all__ = ["Executor", "VMLocks", "labels_fence"]
+__all__ = ["NEW_VM_OPS", "Executor", "VMLocks", "labels_fence"]
+
+# ops that make a VM this host did not have: refused while the ledger cannot record them
+NEW_VM_OPS = ("create", "wake")
 
 
 class VMLocks:
@@ -102,6 +105,12 @@ class Executor:
             if stored is not None:
                 log.info("redelivered command answered from the ledger", extra=cmd_fields(cmd))
                 return stored, True
+            if cmd.op in NEW_VM_OPS and not self.ledger.writable:
+                # no intent row could be written before the effect: take no new VM (the reconciler
+                # places it elsewhere); nothing is recorded, a redelivery asks again
+                why = f"not taking new VMs: the agent's ledger cannot be written ({self.ledger.write_error})"
+                log.warning("command %s: failed (%s)", cmd.op, why, extra=cmd_fields(cmd, outcome="failed"))
+                return self._result(cmd, "failed", error=why), False
             try:
                 self._check_mark(cmd)
                 if raises_mark(cmd.op):
@@ -119,6 +128,18 @@ class Executor:
                     f" ({result.error})" if result.error else "",
                     extra=cmd_fields(cmd, outcome=result.outcome))
             return result, False
+
+    async def give_up(self, cmd: Command, error: str) -> CommandResult:
+        """The command cannot be executed (its retries are spent, or its error will not heal): a
+        ``failed`` result with the reason, for the reconciler to decide on. Stored by command id when
+        the ledger takes it (a redelivery then gets the same answer); published regardless."""
+        result = self._result(cmd, "failed", error=error)
+        async with self.locks.hold(cmd.vm_id):
+            try:
+                await self.ledger.record(result)
+            except Exception as e:  # the ledger is what failed: the answer still goes out
+                log.warning("failed result not stored in the ledger: %r", e, extra=cmd_fields(cmd))
+        return result
 
     def _check_mark(self, cmd: Command) -> None:
         """A newer fence of this key was already seen here (a successor, or a rebuilt log's survey),

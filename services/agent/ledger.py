@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -70,6 +71,10 @@ CREATE TABLE IF NOT EXISTS key_marks (
     key TEXT PRIMARY KEY,
     epoch INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS health (
+    probe TEXT PRIMARY KEY,
+    at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS reservations (
     kind TEXT NOT NULL,
     resource TEXT NOT NULL,
@@ -80,6 +85,17 @@ CREATE TABLE IF NOT EXISTS reservations (
     PRIMARY KEY (kind, resource)
 );
 """
+
+
+
+
+def is_write_failure(e: BaseException) -> bool:
+    """The ledger file cannot take a write (disk full, read-only, I/O error, locked beyond the busy
+    timeout, a corrupt file): the agent is unhealthy, not the command. Constraint and programming
+    errors (IntegrityError, ProgrammingError, an int too large...) are the command's own."""
+    if isinstance(e, sqlite3.OperationalError | OSError):
+        return True
+    return type(e) is sqlite3.DatabaseError  # "database disk image is malformed"
 
 
 class ReservationConflict(Exception):
@@ -130,6 +146,9 @@ class Ledger:
     _mark_uids: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _removed: dict[str, Tombstone] = field(default_factory=dict, init=False, repr=False)
     _tx_lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
+    # why the last write failed (None: the last write took). Set and cleared by every write, and by
+    # probe_write(), which the heartbeat calls so a healed disk is noticed without a command.
+    write_error: str | None = field(default=None, init=False)
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> None:
@@ -185,6 +204,22 @@ class Ledger:
             self._db = None
 
     @property
+    def writable(self) -> bool:
+        """False while the ledger's last write failed: the agent must take no new VM."""
+        return self.write_error is None
+
+    async def probe_write(self) -> bool:
+        """One tiny write transaction: is the ledger writable now? (sets/clears ``write_error``)"""
+        try:
+            async with self._tx() as db:
+                await db.execute("INSERT OR REPLACE INTO health (probe, at) VALUES ('write', ?)", (time.time(),))
+        except Exception as e:
+            if is_write_failure(e):
+                return False
+            raise
+        return True
+
+    @property
     def db(self) -> aiosqlite.Connection:
         if self._db is None:
             raise RuntimeError("ledger is not open")
@@ -195,13 +230,25 @@ class Ledger:
         """One atomic write transaction; serialised so coroutines never share a transaction."""
         async with self._tx_lock:
             db = self.db
-            await db.execute("BEGIN IMMEDIATE")
             try:
-                yield db
-            except BaseException:
-                await db.execute("ROLLBACK")
+                await db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield db
+                except BaseException:
+                    if db.in_transaction:
+                        await db.execute("ROLLBACK")
+                    raise
+                await db.execute("COMMIT")
+            except Exception as e:
+                if not is_write_failure(e):
+                    raise
+                if self.write_error is None:
+                    log.error("ledger %s cannot be written: %s", self.path, e, extra={"event": "ledger_unwritable"})
+                self.write_error = f"{type(e).__name__}: {e}"
                 raise
-            await db.execute("COMMIT")
+            if self.write_error is not None:
+                log.warning("ledger %s is writable again", self.path, extra={"event": "ledger_writable"})
+                self.write_error = None
 
     # ------------------------------------------------------------------ reads (memory mirror)
     def vm(self, vm_id: str) -> VMRow | None:

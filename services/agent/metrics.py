@@ -19,6 +19,13 @@ class AgentMetrics:
                                registry=self.registry)
         self.redeliveries = Counter("vmfence_agent_redeliveries", "Commands answered from the ledger",
                                     registry=self.registry)
+        self.command_retries = Counter("vmfence_agent_command_retries",
+                                       "Commands redelivered after their execution failed (backoff)",
+                                       registry=self.registry)
+        self.ledger_writable = Gauge("vmfence_agent_ledger_writable",
+                                     "1 while the ledger takes writes; 0: not ready, no new VMs",
+                                     registry=self.registry)
+        self.ledger_writable.set(1)
         self._states: set[str] = set()
 
     def set_vms(self, states: list[str]) -> None:

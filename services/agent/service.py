@@ -39,7 +39,7 @@ from nats.js.kv import KeyValue
 from services.agent.answers import inventory_responder
 from services.agent.config import AgentConfig
 from services.agent.executor import Executor, VMLocks, labels_fence
-from services.agent.ledger import LEDGER_FILE, TRANSIENT_STATES, Ledger
+from services.agent.ledger import LEDGER_FILE, TRANSIENT_STATES, Ledger, is_write_failure
 from services.agent.logs import cmd_fields, fence_fields
 from services.agent.metrics import AgentMetrics
 from services.agent.probes import Prober
@@ -60,6 +60,7 @@ from shared.fence.keys import Key, encode_token
 from shared.fence.schema import (
     SCHEMA_VERSION,
     Command,
+    CommandResult,
     Fence,
     HostHeartbeat,
     Inventoried,
@@ -79,7 +80,6 @@ T = TypeVar("T")
 
 NET_TIMEOUT_S = 5.0  # one NATS request (ack, KV put, consumer create)
 DLQ_SOURCE = "agent"
-NAK_DELAY_S = 1.0  # redelivery delay after a result could not be published
 ACK_RETRY_S = 15.0  # a lost ack is retried this long: otherwise the command waits out ack_wait
 FETCH_ERROR_BACKOFF_S = 1.0
 LOST_REPORTED_S = 600.0  # inventories repeat a VM the runtime lost for this long
@@ -119,6 +119,27 @@ def _sim_faults(driver: Any, faults: tuple[str, ...]) -> None:
             driver.faults.crash_after(op)
         elif kind == "inconclusive":
             driver.faults.inconclusive()
+
+
+def retry_delay(delivered: int, base: float, cap: float) -> float:
+    """Seconds before the redelivery of a command that failed on its ``delivered``-th delivery
+    (counting from 1): ``base`` doubled each time, at most ``cap``."""
+    return float(min(cap, base * 2.0 ** min(max(delivered, 1) - 1, 32)))  # no float overflow
+
+
+def delivered(msg: Msg) -> int:
+    """How often JetStream has delivered ``msg`` (1 the first time)."""
+    try:
+        return max(1, int(msg.metadata.num_delivered or 1))
+    except (nats.errors.Error, ValueError, TypeError, AttributeError):
+        return 1
+
+
+def heals(e: BaseException) -> bool:
+    """May a retry of a command that raised ``e`` succeed? A ledger that cannot be written (disk
+    full, read-only), a timeout or an I/O error may heal; anything else (a bug, a value no retry
+    changes) is answered failed at once."""
+    return is_write_failure(e) or isinstance(e, TimeoutError | OSError)
 
 
 def validate_command(cmd: Command, host: str) -> None:
@@ -174,7 +195,8 @@ class Agent:
 
     @property
     def ready(self) -> bool:
-        return self._ready and self.bus is not None and self.bus.nc.is_connected
+        """/readyz: started, connected, and the ledger takes writes (else no VM may be placed here)."""
+        return self._ready and self.bus is not None and self.bus.nc.is_connected and self.ledger.writable
 
     # ------------------------------------------------------------------ lifecycle API
     def stop(self) -> None:
@@ -334,6 +356,9 @@ class Agent:
             durable_name=durable, name=durable, filter_subject=subject,
             ack_policy=api.AckPolicy.EXPLICIT, ack_wait=cfg.ack_wait,
             max_ack_pending=cfg.max_ack_pending, deliver_policy=api.DeliverPolicy.ALL,
+            # unbounded on the server on purpose: past max_deliver JetStream drops a command
+            # silently. The bound is the agent's (command_attempts): a command that keeps failing
+            # is answered failed with its reason, and acked.
             max_deliver=-1,
         )
         last: BaseException | None = None
@@ -427,9 +452,10 @@ class Agent:
         except Exception as e:
             if self.config.sim_faults and type(e).__name__ == "AgentCrash":
                 os._exit(137)  # injected "agent died between effect and report" (sim faults only)
-            log.exception("command failed unexpectedly; redelivering", extra=cmd_fields(cmd))
-            await self._nak(msg)
-            return
+            given_up = await self._failed_execution(msg, cmd, e)
+            if given_up is None:
+                return
+            result, replayed = given_up, False
         finally:
             keepalive.cancel()
         if replayed:
@@ -445,9 +471,37 @@ class Agent:
             await self._report("result", result.fence, result, result.command_id)
         except (AppendFailed, nats.errors.Error, TimeoutError) as e:
             log.warning("result not published (%r); redelivery will republish it", e, extra=cmd_fields(cmd))
-            await self._nak(msg)
+            await self._nak(msg, self._retry_delay(msg))
             return
         await self._ack(msg)
+
+    def _retry_delay(self, msg: Msg) -> float:
+        return retry_delay(delivered(msg), self.config.retry_base, self.config.retry_max)
+
+    async def _failed_execution(self, msg: Msg, cmd: Command, e: Exception) -> CommandResult | None:
+        """The command raised ``e``: redelivered later (exponential backoff, None) while the error may
+        heal and deliveries are left (``command_attempts``), else answered ``failed`` with the reason."""
+        assert self.executor is not None
+        n, bound = delivered(msg), self.config.command_attempts
+        if heals(e) and n < bound:
+            delay = self._retry_delay(msg)
+            if n == 1:
+                log.exception("command failed (delivery 1 of %d); retrying in %.1fs", bound, delay,
+                              extra=cmd_fields(cmd))
+            else:
+                log.warning("command failed again (%r; delivery %d of %d); retrying in %.1fs", e, n, bound,
+                            delay, extra=cmd_fields(cmd))
+            self.metrics.command_retries.inc()
+            await self._nak(msg, delay)
+            return None
+        if heals(e):
+            why = f"cannot be executed after {n} deliveries: {type(e).__name__}: {e}"
+        else:
+            why = f"cannot be executed: {type(e).__name__}: {e}"
+        if not self.ledger.writable:
+            why += " (the agent's ledger cannot be written)"
+        log.error("command %s: failed: %s", cmd.op, why, exc_info=not heals(e), extra=cmd_fields(cmd, outcome="failed"))
+        return await self.executor.give_up(cmd, why)
 
     async def _keepalive(self, msg: Msg) -> None:
         """Long ops (migration) outlive ack_wait: tell the server the command is being worked on."""
@@ -470,9 +524,9 @@ class Agent:
                                 "from the ledger", e, retry.attempt, extra={"host": self.config.host})
                     return
 
-    async def _nak(self, msg: Msg) -> None:
+    async def _nak(self, msg: Msg, delay: float) -> None:
         with contextlib.suppress(nats.errors.Error, TimeoutError):
-            await msg.nak(delay=NAK_DELAY_S)
+            await msg.nak(delay=delay)
 
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
         assert self.bus is not None
@@ -483,7 +537,7 @@ class Agent:
                               subject=msg.subject, data=msg.data, headers=msg.headers)
         except (AppendFailed, nats.errors.Error, TimeoutError) as e:
             log.warning("dead letter not stored (%r); redelivering", e)
-            await self._nak(msg)
+            await self._nak(msg, self._retry_delay(msg))
             return
         await self._ack(msg)
 
@@ -587,14 +641,21 @@ class Agent:
         cfg = self.config
         if self._kv is None:
             self._kv = await asyncio.wait_for(self.bus.js.key_value(self.subjects.kv_hosts), NET_TIMEOUT_S)
+        # a ledger that cannot be written takes no new VM: nothing is free here until it heals
+        # (the probe also notices the heal when no command writes)
+        writable = await self.ledger.probe_write()
+        self.metrics.ledger_writable.set(1 if writable else 0)
         rows = self.ledger.vms()
         used = [r for r in rows if r.state not in ("exited",)]
+        cpus_free = max(0, cfg.cpus - sum(r.spec.cpus for r in used)) if writable else 0
+        memory_free = max(0, cfg.memory_mib - sum(r.spec.memory_mib for r in used)) if writable else 0
+        if not writable:
+            log.warning("heartbeat: ledger not writable (%s): no capacity offered, not ready",
+                        self.ledger.write_error, extra={"host": cfg.host, "event": "ledger_unwritable"})
         hb = HostHeartbeat(
             host=cfg.host, runtime=self.driver.name,
-            cpus_total=cfg.cpus, cpus_free=max(0, cfg.cpus - sum(r.spec.cpus for r in used)),
-            memory_total_mib=cfg.memory_mib,
-            memory_free_mib=max(0, cfg.memory_mib - sum(r.spec.memory_mib for r in used)),
-            vms=len(rows), at=time.time(), accel=getattr(self.driver, "accel", None),
+            cpus_total=cfg.cpus, cpus_free=cpus_free, memory_total_mib=cfg.memory_mib,
+            memory_free_mib=memory_free, vms=len(rows), at=time.time(), accel=getattr(self.driver, "accel", None),
         )
         await asyncio.wait_for(self._kv.put(cfg.host, encode(hb)), NET_TIMEOUT_S)
         self.metrics.reports.labels(kind="heartbeat").inc()
