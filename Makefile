@@ -20,10 +20,11 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider --hypothesis-profile=ci
 
-# the property tests with many more examples from a fresh seed (a failure prints its replay line)
+# the property tests with many more examples from a fresh seed (a failure prints its replay line);
+# a few minutes, so past the suite's per-test timeout
 property-long: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --hypothesis-profile=long --hypothesis-show-statistics \
-		tests/unit/test_properties.py
+		--timeout=3600 tests/unit/test_properties.py
 
 # every rule mutant of the catalogue against its fast tests, in a temporary copy of the repository
 mutants: $(STAMP)
