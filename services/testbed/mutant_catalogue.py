@@ -134,6 +134,13 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # --------------------------------------- the Kubernetes gateway (services/reconciler/kube.py)
     Mutant(
+        "kube-write-without-a-uid-fence", KUBE_PY,
+        "                if not write.fence.uid:\n",
+        "                if False:\n",
+        "rule 4: a write with no uid in its fence is refused (an empty precondition is no precondition)",
+        KUBE,
+    ),
+    Mutant(
         "kube-confirm-from-the-cache", KUBE_PY,
         "                return await self._retrying(self.core.read_namespaced_pod, key.name, key.namespace)\n",
         "                return await self._retrying(\n"

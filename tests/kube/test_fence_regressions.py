@@ -44,3 +44,22 @@ async def test_a_pod_recreated_between_the_status_and_the_annotations_patch_is_s
     now = await resp.json()
     assert now["metadata"]["uid"] == successor["metadata"]["uid"] != old_uid
     assert not any(k.startswith("vmfence.io/") for k in now["metadata"].get("annotations") or {}), now["metadata"]
+
+
+async def test_a_write_without_a_uid_fence_is_refused_before_any_request(
+    core: client.CoreV1Api, gateway: K8sGateway
+) -> None:
+    """Rule 4: every Kubernetes write carries the incarnation. A write whose fence names no uid (a
+    survey's fence, say) would carry an empty precondition, which the API server ignores: it is
+    refused as ``failed`` and the pod is untouched, whatever the verb."""
+    resp = await core.create_namespaced_pod(NS, pod_body("p"), _preload_content=False)
+    pod = await resp.json()
+    key = Key("pod", NS, "p")
+    for verb in ("delete", "evict", "status"):
+        w = KubeWrite(id=verb, verb=verb, fence=Fence(str(key), "", 1), status=RUNNING if verb == "status" else None)
+        done = await gateway.write(key, w)
+        assert done.outcome == "failed" and done.detail is not None and "uid" in done.detail, (verb, done)
+    resp = await core.read_namespaced_pod("p", NS, _preload_content=False)
+    now = await resp.json()
+    assert now["metadata"]["uid"] == pod["metadata"]["uid"] and not now["metadata"].get("deletionTimestamp")
+    assert now["metadata"]["resourceVersion"] == pod["metadata"]["resourceVersion"]
