@@ -90,6 +90,9 @@ def format_row(cells: dict[str, str] | tuple[str, ...]) -> str:
 
 
 def lines(rec: Record) -> Iterator[str]:
+    if rec.error:  # a stored entry that did not decode: shown where it is, not skipped
+        yield format_row({"SEQ": str(rec.seq), "TIME": stamp(rec.ts), "KEY": rec.entry.key, "FENCE": "-",
+                          "DECISION": "UNDECODABLE", "REASON": rec.error})
     for d in rec.entry.decisions:
         yield format_row(columns(rec, d))
 

@@ -68,7 +68,10 @@ class AuditRun:
     def feed(self, rec: Record) -> None:
         auditor = self.auditor
         before = auditor.violations_found
-        auditor.feed(rec.entry, rec.seq)
+        if rec.error:
+            auditor.undecodable(rec.entry.key, rec.seq, rec.error)
+        else:
+            auditor.feed(rec.entry, rec.seq)
         t = rec.written_at()
         if not self.origin.first_seq:
             self.origin.first_seq, self._first_t = rec.seq, t

@@ -30,6 +30,7 @@ class Record(msgspec.Struct, frozen=True):
     seq: int
     entry: LogEntry
     ts: float = 0.0  # when the server stored it (0: not known)
+    error: str = ""  # the stored bytes did not decode: ``entry`` is an empty stand-in (n = 0)
 
     def written_at(self) -> float:
         """The writer's wall-clock time where it recorded one, else the server's stored time (both
@@ -111,9 +112,22 @@ async def read_log(
     async for msg in read_stream(js, subjects.stream_log, flt.subject(subjects), start_seq=start_seq):
         if after is not None and msg.time_s < after:
             continue
-        entry = decode_entry(msg.data)
+        try:
+            entry = decode_entry(msg.data)
+        except msgspec.DecodeError as exc:  # a corrupt or forged entry: the audit names it, reading goes on
+            stand_in = LogEntry(_key_of(subjects, msg.subject), 0, [])
+            if flt.key is None or flt.key == stand_in.key:
+                yield Record(msg.seq, stand_in, msg.time_s, error=f"undecodable entry: {str(exc)[:200]}")
+            continue
         if flt.matches(entry):
             yield Record(msg.seq, entry, msg.time_s)
+
+
+def _key_of(subjects: Subjects, subject: str) -> str:
+    try:
+        return str(subjects.key_of_log_subject(subject))
+    except ValueError:
+        return subject
 
 
 async def follow_log(
@@ -190,5 +204,8 @@ def audit_records(records: Iterable[Record], *, final: bool = True) -> AuditRepo
     """The audit of a list of records (``final``: the system has stopped; end checks apply)."""
     auditor = Auditor()
     for rec in records:
-        auditor.feed(rec.entry, rec.seq)
+        if rec.error:
+            auditor.undecodable(rec.entry.key, rec.seq, rec.error)
+        else:
+            auditor.feed(rec.entry, rec.seq)
     return auditor.report(final=final)

@@ -45,6 +45,7 @@ from shared.fence.state import KeyState, fold
 ViolationRule = Literal[
     "gap", "repeat", "wrong_key", "tombstone_returned", "epoch_not_increasing", "command_fence_not_current",
     "result_fence_mismatch", "bound_not_current", "vm_bound_twice", "two_vms_for_key", "unsettled_vm",
+    "undecodable_entry",
 ]
 
 
@@ -70,6 +71,8 @@ class InvariantCheck(msgspec.Struct, frozen=True):
 # name, meaning, the violation rules that break it, the decision types at which it is checked
 # ("entry": every entry; "vm": every VM left at the end, when the audit is final)
 INVARIANTS: tuple[tuple[str, str, tuple[ViolationRule, ...], tuple[str, ...]], ...] = (
+    ("entries_decode", "every stored entry decodes as a log entry of a known schema",
+     ("undecodable_entry",), ("entry",)),
     ("contiguous", "each key's entries are numbered 1, 2, 3 ... with no gap and no repeat",
      ("gap", "repeat"), ("entry",)),
     ("epochs_increase", "a new incarnation gets a higher epoch than every earlier one; a tombstoned uid never returns",
@@ -152,6 +155,12 @@ class Auditor:
     def violations_found(self) -> int:
         """Violations found so far by feeding (a caller can tell which entry raised one)."""
         return len(self._violations)
+
+    def undecodable(self, key: str, seq: int | None, message: str) -> None:
+        """A stored entry that did not decode (corrupt or forged): a violation at its position; the
+        key's state is untouched, so the entries after it are judged as if it were absent."""
+        self._entries += 1
+        self._bad(key, 0, seq, "undecodable_entry", message)
 
     def _bad(self, key: str, n: int, seq: int | None, rule: ViolationRule, message: str) -> None:
         self._violations.append(Violation(key, n, rule, message, seq))

@@ -17,6 +17,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     mode.add_argument("--processes", action="store_true", help="real processes, SIGKILLs, an OS-level oracle")
     p.add_argument("--stack", action="store_true",
                    help="with --seeds/--seed: seeded workload and faults against the real in-process stack")
+    p.add_argument("--hostile", action="store_true",
+                   help="with --seeds/--seed: hostile messages from every identity and hostile pods against a "
+                        "real local stack")
     mode.add_argument("--seeds", type=int, metavar="N", help="deterministic campaign over N seeds (chaos_sim)")
     mode.add_argument("--seed", type=int, metavar="S", help="deterministic campaign, one seed (chaos_sim)")
     p.add_argument("--first", type=int, default=0, help="(--stack --seeds N) the first of the N seeds")
@@ -43,7 +46,6 @@ def run_chaos(args: argparse.Namespace) -> int:
     if not args.processes:
         return _run_sim_campaign(args)
     from services.testbed.chaos.processes import ProcessChaos
-
 
     try:
         result = run_main(ProcessChaos(args).run())
@@ -76,7 +78,25 @@ def _run_stack_campaign(args: argparse.Namespace) -> int:
     return 1 if result["failures"] or result["violations"] or result["lost_inputs"] else 0
 
 
+def _run_hostile_campaign(args: argparse.Namespace) -> int:
+    from services.testbed.chaos.hostile import run_hostile_campaign
+
+    seeds = 1 if args.seed is not None else int(args.seeds or 0)
+    first = args.seed if args.seed is not None else args.first
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print(f"[chaos --hostile] {line}", file=sys.stderr, flush=True)
+
+    result = run_main(run_hostile_campaign(seeds, first, root=args.dir + "-hostile", progress=progress))
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0 if result["ok"] else 1
+
+
 def _run_sim_campaign(args: argparse.Namespace) -> int:
+    if getattr(args, "hostile", False):
+        return _run_hostile_campaign(args)
     if getattr(args, "stack", False):
         return _run_stack_campaign(args)
     from services.testbed.chaos import seeds
