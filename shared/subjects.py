@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.fence.keys import DEFAULT_PARTITIONS, Key, encode_token, key_from_tokens, partition_of
+from shared.fence.keys import DEFAULT_PARTITIONS, Key, decode_token, encode_token, key_from_tokens, partition_of
 
 DEFAULT_PREFIX = "vmfence"
 
@@ -57,6 +57,17 @@ class Subjects:
         """Agent reports and effect outcomes: ``<prefix>.in.<p>.report.<key tokens>``."""
         return f"{self.prefix}.in.{self.partition(key)}.report.{key.tokens()}"
 
+    def host_report(self, key: Key, host: str) -> str:
+        """Agent reports bound to their sender: ``<prefix>.in.<p>.agent.<host>.<key tokens>``. NATS
+        permissions let each agent publish only under its own host token, and the reconciler refuses
+        a report whose ``host`` is not the subject's (``sender_of_in_subject``). ``report`` stays
+        readable for the reconcilers' own outcomes and for agents not yet moved."""
+        return f"{self.prefix}.in.{self.partition(key)}.agent.{encode_token(host)}.{key.tokens()}"
+
+    def host_reports(self, host: str) -> str:
+        """Every report subject of one host (what its agent's NATS user may publish to)."""
+        return f"{self.prefix}.in.*.agent.{encode_token(host)}.>"
+
     def in_partition(self, p: int) -> str:
         return f"{self.prefix}.in.{p}.>"
 
@@ -76,7 +87,17 @@ class Subjects:
             return key_from_tokens(["vm", *rest])
         if kind == "report":
             return key_from_tokens(rest)
+        if kind == "agent" and len(rest) >= 3:
+            return key_from_tokens(rest[1:])
         raise ValueError(f"not an input subject: {subject!r}")
+
+    def sender_of_in_subject(self, subject: str) -> str | None:
+        """The host an agent report's subject binds it to (``host_report``); None for any other input
+        subject (observations, the reconcilers' own outcomes, reports on the unbound ``report``)."""
+        parts = subject.split(".")
+        if len(parts) >= 7 and parts[0] == self.prefix and parts[1] == "in" and parts[3] == "agent":
+            return decode_token(parts[4])
+        return None
 
     # decision log
     def log(self, key: Key) -> str:

@@ -350,6 +350,14 @@ class Partition:
         if inp_key != key:
             await self._dead_letter(msg, f"input for key {inp_key!r} on the subject of {key!r}")
             return
+        sender = self.subjects.sender_of_in_subject(msg.subject)
+        if sender is not None and getattr(inp, "host", None) != sender:
+            # an agent's subject carries only its own reports (NATS lets it publish nowhere else
+            # under .agent.): a report naming another host, or any other input, is forged
+            claimed = getattr(inp, "host", None)
+            await self._dead_letter(msg, f"wrong sender: {_input_kind(inp)} naming host {claimed!r} "
+                                         f"on the subject of host {sender!r}")
+            return
         slot = self._slot(key)
         async with slot.lock:
             if not self.held:
@@ -375,12 +383,12 @@ class Partition:
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
         log.warning("dead letter: %s", reason, extra={"partition": self.p})
         metrics.DEAD_LETTERS.labels(reason.split(":")[0]).inc()
-        self.stats["dead_lettered"] += 1
-        self.stats[f"dead_lettered:{reason.split(':')[0]}"] += 1
         await dead_letter(
             self.js, self.subjects, source="reconciler", reason=reason, subject=msg.subject,
             data=msg.data, headers=msg.headers,
         )
+        self.stats["dead_lettered"] += 1
+        self.stats[f"dead_lettered:{reason.split(':')[0]}"] += 1
         await msg.ack()
 
     async def _process(self, slot: KeySlot, inp: Input, msg: Msg | None) -> bool:

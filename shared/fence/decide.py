@@ -86,6 +86,8 @@ from typing import Any
 import msgspec
 
 from shared.fence.schema import (
+    MAX_EPOCH,
+    MAX_EPOCH_LEAP,
     NO_INCARNATION,
     SURVEY_VM_ID,
     Admitted,
@@ -213,6 +215,12 @@ def _digest(inp: Input) -> str:
 def decide(state: KeyState, inp: Input, env: DecideEnv | None = None) -> list[Decision]:
     """Decisions for one input. ``state`` is not modified (a copy is folded)."""
     run = _Run(_copy(state), env or DecideEnv(), inp)
+    bad = epoch_out_of_bounds(state, inp)
+    if bad is not None:
+        # a fence no log of this key can have given (above MAX_EPOCH, negative, or further above
+        # the log's epoch than any lost tail reaches): never evidence of a cut, never applied
+        run.add(Skipped("epoch_out_of_bounds", _fences_of(inp)[0].uid or None, bad))
+        return run.out
     why = cut_evidence(state, inp)
     if why is not None:
         # an agent holds a fence of this key the log never assigned (an epoch above all it knows, or
@@ -457,6 +465,9 @@ def _on_result(run: _Run, r: CommandResult) -> None:
     if cmd.fence != r.fence or cmd.vm_id != r.vm_id:
         run.add(Skipped("stale_effect", r.fence.uid, f"result fence does not match command {cmd.id}"))
         return
+    if r.host != cmd.host or any(i.host != cmd.host for i in r.found):
+        run.add(Skipped("wrong_host", r.fence.uid, f"answer to {cmd.id} (sent to {cmd.host}) names {r.host}"))
+        return
     rebuilding = s.rebuilding
     run.add(Done(cmd.id, r.outcome))
     answer = _Answer(cmd, r, _rec_on(s, cmd.vm_id, cmd.host), s.cur, rebuilding)
@@ -695,6 +706,8 @@ def _forget(run: _Run, cur: Incarnation) -> None:
 
 def _on_exited(run: _Run, e: VMExited) -> None:
     s = run.s
+    if _wrong_host(run, e.vm_id, e.host, "exit"):
+        return
     rec = _rec_on(s, e.vm_id, e.host)
     cur = s.cur
     if rec is None or rec.fence != e.fence or cur is None or cur.fence != e.fence:
@@ -722,6 +735,8 @@ def _on_exited(run: _Run, e: VMExited) -> None:
 
 def _on_gone(run: _Run, g: VMGone) -> None:
     s = run.s
+    if _wrong_host(run, g.vm_id, g.host, "vm-gone"):
+        return  # never an eviction on a report the log contradicts
     rec = _rec_on(s, g.vm_id, g.host)
     # lost after the agent moved it to the adopting fence, before the adopt's answer came back: it
     # is gone all the same (as an adopt answered not_found: released, a new VM made)
@@ -751,12 +766,24 @@ def _on_gone(run: _Run, g: VMGone) -> None:
 
 def _on_probe(run: _Run, p: ProbeChanged) -> None:
     s = run.s
+    if _wrong_host(run, p.vm_id, p.host, "probe"):
+        return
     cur = s.cur
     if cur is None or cur.fence != p.fence or cur.vm_id != p.vm_id or cur.host != p.host or not cur.bound:
         _skip_foreign(run, p.fence, f"probe of {p.vm_id}")
         return
     if cur.ready != p.ready:
         run.add(ReadyChanged(cur.fence, p.ready))
+
+
+def _wrong_host(run: _Run, vm_id: str, host: str, what: str) -> bool:
+    """A report about a VM from a host other than the one the log placed it on contradicts the log:
+    logged as Skipped(wrong_host), never acted on. True if it was."""
+    rec = run.s.vms.get(vm_id)
+    if rec is None or rec.host == host:
+        return False
+    run.add(Skipped("wrong_host", rec.fence.uid, f"{what} of {vm_id} from {host}; the log placed it on {rec.host}"))
+    return True
 
 
 def _skip_foreign(run: _Run, fence: Fence, what: str) -> None:
@@ -775,6 +802,8 @@ def _on_inventory(run: _Run, i: Inventoried) -> None:
     """Inventories are the backstop for runtime news whose own report never arrived (the agent
     died between the event and the report): an exit (exit code unknown), a VM the runtime lost,
     readiness."""
+    if _wrong_host(run, i.vm_id, i.host, "inventory"):
+        return
     rec = run.s.vms.get(i.vm_id)
     ours = rec is not None and rec.host == i.host and rec.fence == i.fence  # our record of that VM
     if i.state == "lost":
@@ -865,6 +894,28 @@ def agent_epoch(state: KeyState, inp: Input) -> int:
     ``state.epoch`` proves the log lost entries; a stale copy of the log (another writer appended
     meanwhile) loses its append race and decides again on the re-read log."""
     return max([0, *(f.epoch for f in _agent_fences(state, inp))])
+
+
+def epoch_out_of_bounds(state: KeyState, inp: Input) -> str | None:
+    """Why a fence the input carries cannot be believed, or None: an epoch below 0 or above
+    ``MAX_EPOCH``, or (for this key) more than ``MAX_EPOCH_LEAP`` above the log's epoch."""
+    ceiling = min(MAX_EPOCH, state.epoch + MAX_EPOCH_LEAP)
+    for f in _fences_of(inp):
+        limit = ceiling if f.key == state.key else MAX_EPOCH
+        if not 0 <= f.epoch <= limit:
+            return f"epoch {f.epoch} outside 0..{limit} (the log of the key is at epoch {state.epoch})"
+    return None
+
+
+def _fences_of(inp: Input) -> list[Fence]:
+    """Every fence an input carries (none for observations and reads)."""
+    match inp:
+        case CommandResult():
+            return [inp.fence, *(i.fence for i in inp.found), Fence(inp.fence.key, inp.key_uid, inp.key_epoch)]
+        case Inventoried() | VMExited() | VMGone() | ProbeChanged() | WriteDone() | TimerFired():
+            return [inp.fence]
+        case _:
+            return []
 
 
 def cut_evidence(state: KeyState, inp: Input) -> str | None:

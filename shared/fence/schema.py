@@ -15,6 +15,20 @@ import msgspec
 
 SCHEMA_VERSION = 1
 
+# The named bound of an epoch (+1 per new incarnation of a key, +1 per rebuild). Every reader must
+# hold one exactly: the agent's SQLite ledger (a signed 64-bit INTEGER: 2**64 - 1 overflowed it and
+# wedged the key), JSON readers that hold numbers as doubles (exact only to 2**53: jq, dashboards,
+# the ``vmfence.io/epoch`` annotation read back by tools) and the +1 of the next admission. At a
+# thousand recreations of one key every second, 2**53 lasts 285,000 years: no real log gets near it,
+# so a fence above it is hostile or corrupt and is never evidence of anything.
+MAX_EPOCH = 2**53 - 1
+# How far above its log's epoch an agent's fence of a key may be and still prove that the log lost
+# entries (decide.cut_evidence). A lost tail is what was appended since the stream's last durable
+# point (seconds with R3 and ``sync_interval: always``); each epoch in it is a recreation of that one
+# key (or a rebuild), so a real cut spans a handful. A report further ahead is not believed: it is
+# ``Skipped(epoch_out_of_bounds)``, never a rebuild, a survey or a re-adoption at its epoch.
+MAX_EPOCH_LEAP = 64
+
 RestartPolicy = Literal["Always", "OnFailure", "Never"]
 RecreatePolicy = Literal["replace", "adopt"]
 Phase = Literal["Pending", "Running", "Succeeded", "Failed"]
@@ -251,6 +265,8 @@ SkipReason = Literal[
     "orphan",  # a VM no live incarnation owns: removed
     "cannot_happen",  # a policy cell decide.py names impossible fired after all (a bug: look)
     "invalid_spec",  # older writers only: a rejected spec change (now SpecChanged(invalid))
+    "epoch_out_of_bounds",  # a report's fence above MAX_EPOCH, below 0, or far above the log's epoch
+    "wrong_host",  # a report about a VM from a host other than the one the log placed it on
 ]
 ReleaseReason = Literal[
     "removed", "gone", "lost", "fenced", "create_failed", "start_failed", "wake_failed"
