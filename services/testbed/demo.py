@@ -275,6 +275,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
     runtime = pick_runtime(args.runtime)
     console = Console(stderr=True, quiet=args.json)
     stack = LocalStack(Path(args.dir), runtime=runtime, partitions=8)
+    stack.lock()  # StackBusy (one line) before anything of another stack's is touched
     _quiet_service_logs(Path(args.dir).parent / f"{Path(args.dir).name}-logs" / "services.log")
     started = time.perf_counter()
     console.print(f"[bold]vmfence demo[/bold] — runtime [cyan]{runtime}[/cyan]"
@@ -366,14 +367,17 @@ async def up(args: argparse.Namespace) -> int:
     runtime = pick_runtime(args.runtime)
     console = Console()
     stack = LocalStack(Path(args.dir), runtime=runtime, partitions=16, kubeconfig=args.kubeconfig)
+    stack.lock()  # StackBusy (one line) before anything of another stack's is touched
     _quiet_service_logs(Path(args.dir).parent / f"{Path(args.dir).name}-logs" / "services.log")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    recorded = False
     try:
         await stack.start(on_status=lambda name, state: console.print(f"  {name:<14} {state}"))
         stack.record()
+        recorded = True
         out = Path(os.getcwd(), args.kubeconfig_out)
         if args.kubeconfig is None:
             _copy_file(stack.kubeconfig_path, out)
@@ -385,8 +389,9 @@ async def up(args: argparse.Namespace) -> int:
     finally:
         console.print("stopping…")
         await stack.stop()
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(".vmfence/stack.json")
+        if recorded:  # never another stack's record
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(".vmfence/stack.json")
     return 0
 
 

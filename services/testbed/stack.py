@@ -9,7 +9,9 @@ and start it again, as an operator's node failure would). Everything writes unde
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
@@ -36,6 +38,70 @@ from shared.tasks import end_within, run_within
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 ROOT = Path(__file__).resolve().parents[2]
+LOCK_FILE = "stack.lock"  # in the run directory, flock'ed for the stack's whole life
+PRIVATE_DIR = 0o700  # a stack's directories: only its user reads them (passwords, guest files)
+PRIVATE_FILE = 0o600
+
+
+class StackBusy(RuntimeError):
+    """Another live stack holds the run directory; the message is the one line the user sees."""
+
+
+class DirLock:
+    """An exclusive ``flock`` on ``<dir>/stack.lock`` held while a stack runs in ``dir``.
+
+    Acquired before anything in the directory is touched, so a second stack in the same directory
+    is refused without removing or writing a file of the first. The kernel drops the lock when
+    the holder exits, however it exits: a stale lock file never blocks the next stack.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.path = directory / LOCK_FILE
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        if self._fd is not None:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StackBusy(
+                f"another stack is running in {self.directory} (pid {holder}); stop it first or use another --dir"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def clear_directory(self) -> None:
+        """Remove everything a previous (finished) stack left in the directory but the lock file."""
+        if self._fd is None:
+            raise RuntimeError("clearing a stack directory needs its lock")
+        for entry in self.directory.iterdir():
+            if entry.name == LOCK_FILE:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+            os.close(fd)  # closing the descriptor drops the flock
 
 
 def qemu_available() -> bool:
@@ -90,15 +156,22 @@ class LocalStack:
     api: client.ApiClient | None = field(default=None, init=False)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
     _agent_tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
+    _lock: DirLock = field(init=False)
 
     def __post_init__(self) -> None:
         self.subjects = Subjects(partitions=self.partitions)
         self.root = self.root.absolute()  # child processes run from the repository root
+        self._lock = DirLock(self.root)
+
+    def lock(self) -> None:
+        """Take the run directory (StackBusy if another stack holds it); start() does it first."""
+        self._lock.acquire()
 
     # ------------------------------------------------------------------------- start
     async def start(self, on_status: callable = lambda name, state: None) -> None:  # type: ignore[valid-type]
-        if self.fresh and self.root.exists():
-            shutil.rmtree(self.root)
+        self.lock()
+        if self.fresh:
+            self._lock.clear_directory()
         (self.root / "logs").mkdir(parents=True, exist_ok=True)
         on_status("nats", "starting")
         self.nats = await start_nats(store_dir=str(self.root / "nats"))
@@ -224,7 +297,13 @@ class LocalStack:
     # ------------------------------------------------------------------------- stop
     async def stop(self) -> None:
         """Reverse order. Agents were started with cleanup_on_stop: this throw-away stack removes
-        the VMs it created (a real agent service never does)."""
+        the VMs it created (a real agent service never does). The directory's lock goes last."""
+        try:
+            await self._stop()
+        finally:
+            self._lock.release()
+
+    async def _stop(self) -> None:
         for rp in self.recs.values():
             if rp.proc is not None and rp.proc.poll() is None:
                 rp.proc.send_signal(signal.SIGTERM)

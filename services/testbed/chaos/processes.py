@@ -351,12 +351,14 @@ class ProcessChaos:
         from kubernetes_asyncio import client, config
 
         from services.testbed.natsserver import free_port, start_cluster
+        from services.testbed.stack import DirLock
         from shared.bus.connect import Bus
         from shared.bus.provision import StreamsConfig, provision
         from shared.subjects import Subjects
 
-        if self.run_dir.exists():
-            shutil.rmtree(self.run_dir)
+        self.dir_lock = DirLock(self.run_dir)
+        self.dir_lock.acquire()  # StackBusy before anything of another run's is touched
+        self.dir_lock.clear_directory()
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True)
         self.cluster = await start_cluster(3, base_dir=str(self.run_dir / "nats"))
@@ -425,7 +427,11 @@ class ProcessChaos:
             await _http_post_json(self.api_port, "/_dev/faults", {"stale": {"events": self.args.stale_reads}})
 
     async def stop_stack(self) -> dict[str, Any]:
-        """Reverse order; agents get SIGTERM and remove their VMs (--cleanup-on-stop)."""
+        """Reverse order; agents get SIGTERM and remove their VMs (--cleanup-on-stop). A run that
+        never got its directory's lock stops nothing: what runs there is another run's."""
+        lock = getattr(self, "dir_lock", None)
+        if lock is None or not lock.held:
+            return {"qemu_left_after_agent_stop": 0, "qemu_killed_at_end": 0}
         for attr in ("api", "bus"):
             obj = getattr(self, attr, None)
             if obj is not None:
@@ -440,7 +446,9 @@ class ProcessChaos:
         cluster = getattr(self, "cluster", None)
         if cluster is not None:
             await cluster.stop()
-        return {"qemu_left_after_agent_stop": left_after_agents, "qemu_killed_at_end": kill_leftover_qemu(self.run_dir)}
+        killed = kill_leftover_qemu(self.run_dir)
+        lock.release()
+        return {"qemu_left_after_agent_stop": left_after_agents, "qemu_killed_at_end": killed}
 
     # ---------------------------------------------------------------------------- faults
     def _components(self) -> list[str]:
