@@ -223,7 +223,19 @@ def run_mutants(
             results.append(Outcome(m, status, line, seconds, by))
             if log:
                 print(f"{m.id:44s} {status:10s} {seconds:6.1f}s {by}", file=sys.stderr)
-    return summary(results, time.monotonic() - started)
+    out = summary(results, time.monotonic() - started)
+    out["source"] = source_of(root, rev)
+    return out
+
+
+def source_of(root: Path, rev: str | None) -> str:
+    """Which code was mutated: a commit, or the working tree on top of one."""
+    try:
+        sha = _git(root, "rev-parse", rev or "HEAD").decode().strip()
+        dirty = rev is None and bool(_git(root, "status", "--porcelain", "--untracked-files=no").strip())
+    except (OSError, subprocess.CalledProcessError):
+        return rev or "working tree"
+    return f"{sha} (working tree, with uncommitted changes)" if dirty else sha
 
 
 def summary(results: Sequence[Outcome], seconds: float) -> dict[str, object]:
