@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -36,11 +35,13 @@ from services.agent.logs import cmd_fields, fence_fields
 from services.agent.ops import OPS, Answer
 from services.agent.runtime import (
     DisplayPool,
+    ImageError,
     Inconclusive,
     RuntimeDriver,
     RuntimeFailure,
     VMInfo,
     VMSpec,
+    resolve_image,
 )
 from shared.fence.agentfence import fence_verdict, mark_verdict, raises_mark, refusal
 from shared.fence.schema import NO_INCARNATION, Command, CommandResult, Fence, Inventoried, ResultOutcome
@@ -269,11 +270,16 @@ class Executor:
         return await self.record(cmd, "failed", error=error, put=self.row(row, info), claim=self.claims(info))
 
     def vmspec(self, cmd: Command) -> VMSpec:
-        """What the runtime is asked to run for the command; labelled with its fence."""
+        """What the runtime is asked to run for the command; labelled with its fence. The image
+        name resolves inside the image store only; anything else answers ``failed`` naming the
+        field, and nothing under the name is opened."""
         spec = cmd.spec
-        image = spec.image
-        if image and not os.path.isabs(image) and self.image_dir:
-            image = os.path.join(self.image_dir, image)
+        image = None
+        if spec.image is not None:
+            try:
+                image = resolve_image(self.image_dir, spec.image)
+            except ImageError as e:
+                raise Answer("failed", f"invalid spec: {e}") from None
         return VMSpec(
             vm_id=cmd.vm_id, cpus=spec.cpus, memory_mib=spec.memory_mib, image=image, vnc=self.vnc,
             probe_port=spec.probe_port, labels=fence_labels(cmd.fence),

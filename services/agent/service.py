@@ -341,8 +341,10 @@ class Agent:
         cfg = self.config
         displays = cfg.vnc_range if cfg.vnc_range is not None else range(0)
         if cfg.runtime == "qemu":
-            return make_driver("qemu", state_dir=cfg.runtime_dir, accel=cfg.accel, vnc_displays=displays)
-        driver = make_driver("sim", state_dir=cfg.runtime_dir, seed=cfg.sim_seed, vnc_displays=displays)
+            return make_driver("qemu", state_dir=cfg.runtime_dir, accel=cfg.accel, vnc_displays=displays,
+                               image_store=cfg.images)
+        driver = make_driver("sim", state_dir=cfg.runtime_dir, seed=cfg.sim_seed, vnc_displays=displays,
+                             image_store=cfg.images)
         _sim_faults(driver, cfg.sim_faults)
         return driver
 

@@ -130,10 +130,31 @@ def parse_bool(field: str, value: object) -> bool:
     raise SpecError(f"{field}: {_q(value)} is not one of true, false")
 
 
+IMAGE_NAME_MAX_CHARS: Final = 1024
+
+
+def image_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name an image inside an image store (None: its shape is fine). Only the
+    shape: the agent resolves the name against its store, symlinks included (the real guard)."""
+    if "\0" in name:
+        return "contains a NUL byte"
+    if len(name) > IMAGE_NAME_MAX_CHARS:
+        return f"is longer than {IMAGE_NAME_MAX_CHARS} characters"
+    if name.startswith("/"):
+        return "is an absolute path (an image is a name inside the agent's image store)"
+    if ".." in name.split("/"):
+        return "leaves the image store (a '..' component)"
+    return None
+
+
 def parse_image(field: str, value: object) -> str:
-    """A non-empty image reference without whitespace."""
+    """A non-empty image name without whitespace, inside the image store (see image_name_problem)."""
     if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value.strip()):
         raise SpecError(f"{field}: {_q(value)} is not an image reference (a non-empty string without spaces)")
+    problem = image_name_problem(value.strip())
+    if problem is not None:
+        shown = _q(value.strip().replace("\0", "\\x00"))  # a NUL never reaches a message
+        raise SpecError(f"{field}: {shown} {problem}")
     return value.strip()
 
 

@@ -16,10 +16,12 @@ from .base import (
     VMInfo,
     VMSpec,
 )
+from .images import ImageError, check_in_store, resolve_image
 from .pool import DisplayPool, ReservationError, vnc_owner
 
 __all__ = [
     "DisplayPool",
+    "ImageError",
     "Inconclusive",
     "ReservationError",
     "RuntimeDriver",
@@ -30,7 +32,9 @@ __all__ = [
     "VMGoneEvent",
     "VMInfo",
     "VMSpec",
+    "check_in_store",
     "make_driver",
+    "resolve_image",
     "vnc_owner",
 ]
 
@@ -39,8 +43,8 @@ def make_driver(name: str, *, state_dir: str, **options: Any) -> RuntimeDriver:
     """Build a runtime driver by name.
 
     ``qemu`` options: accel ("auto"|"kvm"|"tcg"), machine, qemu_binary, qemu_img, vnc_displays,
-    reconcile_interval, qmp_timeout, probe_image, ... (see QemuDriver).
-    ``sim`` options: seed, vnc_displays, op_latency (see SimDriver). ``state_dir`` is where the
+    image_store, reconcile_interval, qmp_timeout, probe_image, ... (see QemuDriver).
+    ``sim`` options: seed, vnc_displays, image_store, op_latency (see SimDriver). ``state_dir`` is where the
     driver keeps what must outlive the agent process.
     """
     if name == "qemu":

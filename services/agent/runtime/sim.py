@@ -42,6 +42,7 @@ from .base import (
     check_spec,
     check_vm_id,
 )
+from .images import ImageError, check_in_store
 from .pool import DisplayPool, vnc_owner
 
 OPS = ("create", "start", "stop", "remove", "inspect", "list", "snapshot", "restore", "probe")
@@ -173,6 +174,7 @@ class SimDriver:
     seed: int = 0
     vnc_displays: range = range(10, 110)
     op_latency: float = 0.0  # seconds every op awaits (0 = just yields to the loop)
+    image_store: str | None = None  # set: a spec's image must resolve inside it (as on a qemu host)
     name: str = "sim"
     rng: random.Random = field(init=False)
     faults: SimFaults = field(init=False)
@@ -321,8 +323,17 @@ class SimDriver:
         for vm_id in list(self._host.known):
             self._notice_gone(vm_id)
 
+    def _check_image(self, op: str, spec: VMSpec) -> None:
+        if self.image_store is not None and spec.image is not None:
+            try:
+                check_in_store(self.image_store, spec.image)
+            except ImageError:
+                self._record(op, spec.vm_id, spec.labels, "failed")
+                raise
+
     async def create(self, spec: VMSpec) -> VMInfo:
         check_spec(spec)
+        self._check_image("create", spec)
         await self._enter("create", spec.vm_id, spec.labels)
         vm = self._host.vms.get(spec.vm_id)
         if vm is None:
@@ -414,6 +425,7 @@ class SimDriver:
 
     async def restore(self, spec: VMSpec, src: str) -> VMInfo:
         check_spec(spec)
+        self._check_image("restore", spec)
         await self._enter("restore", spec.vm_id, spec.labels)
         existing = self._host.vms.get(spec.vm_id)
         if existing is not None and existing.state != "exited":

@@ -54,10 +54,11 @@ from ..base import (
     check_spec,
     check_vm_id,
 )
+from ..images import check_in_store
 from ..pool import DisplayPool, vnc_owner
 from .accel import AccelProbe
 from .disks import Disks, overlay
-from .files import is_our_qemu, read_pidfile
+from .files import image_files, is_our_qemu, read_pidfile
 from .migration import Migration, snapshot_disk
 from .process import VM, Qemu, Record, read_record
 
@@ -81,6 +82,7 @@ class QemuDriver:
         qemu_img: str = "qemu-img",
         vnc_displays: range = range(10, 110),
         display_pool: DisplayPool | None = None,
+        image_store: str | None = None,
         reconcile_interval: float = 2.0,
         qmp_timeout: float = 5.0,
         start_timeout: float = 15.0,
@@ -115,6 +117,8 @@ class QemuDriver:
         )  # fmt: skip
         self._migration = Migration(self._qemu, timeout=migrate_timeout)
         self.displays = display_pool if display_pool is not None else DisplayPool(vnc_displays)
+        # set (the agent sets it): a spec's image and the files QEMU opens in it resolve inside it
+        self.image_store = os.path.abspath(image_store) if image_store is not None else None
         self.reconcile_interval = reconcile_interval
         self.probe_request = probe_request
         self.probe_timeout = probe_timeout
@@ -218,8 +222,17 @@ class QemuDriver:
         return self._hub.subscribe()
 
     # ------------------------------------------------------------------ launching, exit detection
+    def _check_image(self, spec: VMSpec) -> None:
+        """The image directory and the kernel and initramfs QEMU will open stay inside the image
+        store, symlinks followed (checked before every launch: a link may change after a create)."""
+        if self.image_store is None or spec.image is None:
+            return
+        files = image_files(spec.image) if "\0" not in spec.image else None
+        check_in_store(self.image_store, spec.image, files or ())
+
     async def _launch(self, vm: VM, *, incoming: bool = False) -> None:
         """Start vm's QEMU (see Qemu.launch) and watch for its exit."""
+        self._check_image(vm.spec)
         await self._qemu.launch(vm, await self.resolve_accel(), incoming=incoming)
         self._watch_exit(vm)
 
@@ -363,6 +376,7 @@ class QemuDriver:
 
     async def create(self, spec: VMSpec) -> VMInfo:
         check_spec(spec)
+        self._check_image(spec)  # before anything is made for it
         async with self._create_lock(spec.vm_id):
             vm = await self._known(spec.vm_id)
             if vm is not None:
@@ -467,6 +481,7 @@ class QemuDriver:
         """Wake: a new QEMU with ``-incoming defer`` loads ``src`` (and its disk overlay
         ``src + '.disk.qcow2'`` if present) and resumes. Idempotent: a running VM is returned."""
         check_spec(spec)
+        self._check_image(spec)
         src = os.path.abspath(src)
         if not os.path.isfile(src):
             raise RuntimeFailure(f"restore {spec.vm_id}: no snapshot at {src}")
