@@ -5,7 +5,8 @@ What counts as a reference (in ``docs/*.md`` and ``README.md``, outside fenced c
 - a backticked repository path (``shared/...``, ``services/...``, ``tests/...``, ``deploy/...``,
   ``scripts/...``, ``docs/...``): the file or directory exists;
 - a backticked ``file.py`` without a directory: exactly one file of that name exists in the
-  repository, or the same page named it with its full path before;
+  repository, or one under a directory the same table row or paragraph names, or the same page
+  named it with its full path before;
 - backticked symbols right after a ``file.py`` reference, separated from it and from each other
   only by spaces, commas and parentheses (``file.py`` (``Class``, ``Class.method``), ``function``):
   each is defined in that file — a top-level ``def``/``class``/assignment (an ``__init__.py`` may
@@ -27,6 +28,10 @@ name values and files as often as code.
 
 Imports do not count as definitions (outside ``__init__.py``): a doc that says a function lives in
 a file that only imports it sends the reader to the wrong room.
+
+Files a make target writes (``GENERATED``) count as present while the Makefile still writes them.
+And the policy tables docs/architecture.md shows must be the tables of decide.py's docstring, as
+they are: the docstring is their source.
 """
 
 from __future__ import annotations
