@@ -25,9 +25,9 @@ MEMBER_PREFIX = "member."
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("status", help="partitions and owners, hosts, VMs, consumer lag, pods per phase")
-    p.add_argument("--nats")
+    p.add_argument("--nats-url", "--nats", dest="nats", help="NATS URL (default: VMFENCE_NATS_URL or the local stack)")
     p.add_argument("--kubeconfig", help="also count pods per phase (default: the local stack's)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(run=status)
 
 
