@@ -157,6 +157,9 @@ def _keep_unchanged_conditions(cur_list: list[JSON], new_list: list[JSON]) -> li
     return out
 
 
+_NOT_CREATED = {False: "VMNotCreated", True: "FailedCreate"}  # Initialized=False, by whether a bring-up failed
+
+
 def _pod_conditions(cur: JSON, intent: PodStatusIntent) -> list[JSON]:
     cur_list = [c for c in cur.get("conditions") or [] if isinstance(c, dict)]
     cur_by_type = {c.get("type", ""): c for c in cur_list}
@@ -167,9 +170,11 @@ def _pod_conditions(cur: JSON, intent: PodStatusIntent) -> list[JSON]:
     placed = intent.host is not None or (intent.phase != "Pending" and not intent.invalid)
     created = intent.vm_id is not None or (intent.phase != "Pending" and not intent.invalid)
     not_ready_reason = "PodCompleted" if done else ("Hibernated" if intent.hibernated else "ContainersNotReady")
+    failed_create = intent.reason == "FailedCreate"  # the last bring-up failed: its cause, not "waiting"
     ours = [
         _condition(cur_by_type, "PodScheduled", placed, "Placed" if placed else "WaitingForHost"),
-        _condition(cur_by_type, "Initialized", created, "VMCreated" if created else "VMNotCreated"),
+        _condition(cur_by_type, "Initialized", created, "VMCreated" if created else _NOT_CREATED[failed_create],
+                   intent.message if failed_create and not created else None),
         _condition(cur_by_type, "ContainersReady", ready, "VMReady" if ready else not_ready_reason),
         _condition(cur_by_type, "Ready", ready, "VMReady" if ready else not_ready_reason),
     ]
@@ -620,7 +625,15 @@ class K8sGateway:
             )
 
     async def _event(self, key: Key, write: KubeWrite) -> None:
-        digest = hashlib.sha256(f"{write.fence.uid}/{write.id}".encode()).hexdigest()[:16]
+        """One Event per (incarnation, type, reason, message), as a kubelet's recorder aggregates:
+        ``write.count`` says which repeat of that text this is (decide counts them: a failed bring-up's
+        cause, repeated in a row). The first write creates the Event; a later repeat finds it and sets
+        ``count`` and ``lastTimestamp`` on it, so a redelivered write changes nothing and no read
+        (no ``get`` permission) is needed."""
+        digest = hashlib.sha256(
+            "/".join((write.fence.uid, write.event_type, write.event_reason or "", write.message or "")).encode()
+        ).hexdigest()[:16]
+        name = f"{key.name[:200]}.{digest}"
         now = now_rfc3339()
         involved: JSON = {
             "kind": "Pod" if key.kind == "pod" else "VirtualMachine",
@@ -632,7 +645,7 @@ class K8sGateway:
         body: JSON = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"name": f"{key.name[:200]}.{digest}", "namespace": key.namespace},
+            "metadata": {"name": name, "namespace": key.namespace},
             "involvedObject": involved,
             "reason": write.event_reason or "Vmfence",
             "message": write.message or "",
@@ -640,15 +653,24 @@ class K8sGateway:
             "source": {"component": COMPONENT},
             "reportingComponent": COMPONENT,
             "reportingInstance": self.instance or COMPONENT,
-            "count": 1,
+            "count": write.count,
             "firstTimestamp": now,
             "lastTimestamp": now,
         }
         try:
             await self._retrying(self.core.create_namespaced_event, key.namespace, body)
+            return
         except KubeError as exc:
-            if exc.status == 409:  # AlreadyExists: a retry of this very event
-                return
+            if exc.status != 409:
+                raise _Outcome("failed", str(exc)) from exc
+        if write.count <= 1:
+            return  # AlreadyExists for a first occurrence: a retry of this very event
+        try:
+            await self._retrying(
+                self.core.patch_namespaced_event, name, key.namespace,
+                {"count": write.count, "lastTimestamp": now}, _content_type=MERGE_PATCH,
+            )
+        except KubeError as exc:
             raise _Outcome("failed", str(exc)) from exc
 
 

@@ -94,6 +94,7 @@ from shared.fence.schema import (
     Adopted,
     AdoptTimer,
     Bound,
+    BringUpFailed,
     Command,
     Commanded,
     CommandOp,
@@ -154,6 +155,17 @@ from shared.fence.state import vm_name as _vm_name
 # Named bounds (seconds) for the re-checks timers trigger.
 PLACE_RETRY_S = 2.0
 EFFECT_RETRY_S = 1.0
+# A failed bring-up (a missing image, a full disk) is placed again after a backoff that doubles per
+# failure in a row, from CREATE_BACKOFF_BASE_S up to CREATE_BACKOFF_MAX_S (as a kubelet's image-pull
+# backoff), and the count starts again once a VM is bound: never once a second forever.
+CREATE_BACKOFF_BASE_S = 1.0
+CREATE_BACKOFF_MAX_S = 300.0
+MAX_CAUSE_CHARS = 1024  # of an agent's error text kept in the log, a condition and an Event
+
+
+def create_backoff_s(failures: int) -> float:
+    """The delay before the bring-up that follows ``failures`` failed ones in a row."""
+    return min(CREATE_BACKOFF_BASE_S * 2.0 ** min(max(failures - 1, 0), 32), CREATE_BACKOFF_MAX_S)
 
 
 class HostView(msgspec.Struct, frozen=True):
@@ -537,14 +549,20 @@ _UP_FAILED: dict[CommandOp, ReleaseReason] = {
 def _up_failed(run: _Run, a: _Answer) -> None:
     """A create, start or wake failed (or found no VM): release the claim, place again."""
     cmd, rec, cur = a.cmd, a.rec, a.cur
+    cause = (a.r.error or f"{cmd.op} failed ({a.r.outcome})")[:MAX_CAUSE_CHARS]
     if rec is not None and rec.fence == cmd.fence:
         # a failed bring-up releases only a claim it still owns (rule 2): a start of a VM that a
         # successor adopted meanwhile (its answer re-sent from the agent's ledger after the
         # adopt's) must not release the successor's VM (tests/unit/test_rule2_claim.py)
         run.add(Released(cmd.fence, cmd.vm_id, cmd.host, _UP_FAILED[cmd.op], cmd.id))
     if cur is not None and cur.fence == cmd.fence and not cur.deleting:
-        _event(run, cur.fence, "FailedCreate", a.r.error or f"{cmd.op} failed", warning=True)
-        _arm(run, cur.fence, PlaceTimer(), EFFECT_RETRY_S)
+        failures = cur.failures + 1
+        backoff = create_backoff_s(failures)
+        repeats = cur.failure_repeats + 1 if cause == cur.failure else 1
+        run.add(BringUpFailed(cur.fence, cmd.vm_id, failures, backoff, cause, repeats))
+        # one Event per cause, counting its repeats (Kubernetes' aggregation), not one per failure
+        _event(run, cur.fence, "FailedCreate", cause, warning=True, count=repeats)
+        _arm(run, cur.fence, PlaceTimer(), backoff)
     else:
         _after_release(run)
 
@@ -1163,7 +1181,9 @@ def _place_pending(s: KeyState, fence: Fence) -> bool:
     )
 
 
-def _event(run: _Run, fence: Fence, reason: EventReason, message: str, *, warning: bool = False) -> None:
+def _event(
+    run: _Run, fence: Fence, reason: EventReason, message: str, *, warning: bool = False, count: int = 1
+) -> None:
     write = KubeWrite(
         run.effect_id("event"),
         "event",
@@ -1171,6 +1191,7 @@ def _event(run: _Run, fence: Fence, reason: EventReason, message: str, *, warnin
         event_reason=reason,
         event_type="Warning" if warning else "Normal",
         message=message,
+        count=count,
     )
     run.add(WriteRequested(write))
 
@@ -1204,10 +1225,12 @@ def _sync_status(run: _Run) -> None:
     if cur.phase == "Pending" and not cur.invalid and not cur.hibernated:
         if not _place_pending(run.s, cur.fence):
             return  # nothing worth writing until the VM is up
-        # no live host fits: say so on the pod instead of leaving it silent
-        want = msgspec.structs.replace(
-            status_of(cur), reason="Unschedulable", message="no live vmfence host has room for this VM"
-        )
+        # the VM waits for a place: say why on the pod instead of leaving it silent — the last
+        # bring-up's real cause while it backs off, else no live host fits
+        reason: StatusReason = "FailedCreate" if cur.failures else "Unschedulable"
+        message = (cur.failure or "the last bring-up failed") if cur.failures else \
+            "no live vmfence host has room for this VM"
+        want = msgspec.structs.replace(status_of(cur), reason=reason, message=message)
     else:
         want = status_of(cur)
     if cur.status == want:

@@ -210,7 +210,8 @@ class Command(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 # why a pod is not simply Running/Pending (the container status reason vmfence writes)
-StatusReason = Literal["InvalidSpec", "Hibernated", "Unschedulable"]
+# (FailedCreate: the last bring-up failed and the next waits out its backoff; the message is the cause)
+StatusReason = Literal["InvalidSpec", "Hibernated", "Unschedulable", "FailedCreate"]
 # the reason of every Kubernetes Event decide writes
 EventReason = Literal[
     "InvalidSpec", "Superseded", "Hibernated", "Started", "FailedCreate", "Adopted", "BackOff", "VMGone"
@@ -247,6 +248,7 @@ class KubeWrite(msgspec.Struct, frozen=True, omit_defaults=True):
     event_reason: EventReason | None = None
     event_type: Literal["Normal", "Warning"] = "Normal"
     message: str | None = None
+    count: int = 1  # an event: which repeat of the same text (one Event counts them, as Kubernetes does)
 
 
 # ------------------------------------------------------------------------------------ decisions
@@ -375,6 +377,18 @@ class Restarting(msgspec.Struct, tag="restarting", frozen=True):
     vm_id: str
     restart_count: int
     backoff_s: float
+
+
+class BringUpFailed(msgspec.Struct, tag="bring_up_failed", frozen=True):
+    """The ``failures``-th bring-up in a row of the incarnation failed (a create, start or wake
+    answered failed or not_found) for ``cause``: the next is placed after ``backoff_s``."""
+
+    fence: Fence
+    vm_id: str
+    failures: int
+    backoff_s: float
+    cause: str
+    repeats: int = 1  # failures in a row with this same cause: the count of its Event
 
 
 class Failed(msgspec.Struct, tag="failed", frozen=True):
@@ -548,6 +562,7 @@ Decision = (
     | WriteRequested
     | Hibernated
     | Restarting
+    | BringUpFailed
     | Failed
     | Succeeded
     | ReadyChanged

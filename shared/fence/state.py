@@ -16,6 +16,7 @@ from shared.fence.schema import (
     Admitted,
     Adopted,
     Bound,
+    BringUpFailed,
     Commanded,
     ConfirmRequested,
     Decision,
@@ -91,6 +92,11 @@ class Incarnation(msgspec.Struct, omit_defaults=True):
     hibernated: bool = False
     status: PodStatusIntent | None = None  # the last status requested
     admitted_at: int = 0  # log position of its admission
+    # bring-ups that failed in a row (create/start/wake answered failed or not_found), and the last
+    # one's cause: the next is placed after a backoff that doubles per failure (decide._up_failed)
+    failures: int = 0
+    failure: str | None = None
+    failure_repeats: int = 0  # of those, the last ones in a row that failed for ``failure``
 
 
 class KeyState(msgspec.Struct, omit_defaults=True):
@@ -217,6 +223,7 @@ def fold(s: KeyState, d: Decision) -> KeyState:
                 c.phase = "Running"
                 c.hibernated = False
                 c.snapshot = c.snapshot_host = None
+                c.failures, c.failure, c.failure_repeats = 0, None, 0
         case DeleteClaimed(fence=f):
             if (c := _cur_for(s, f)) is not None:
                 c.delete_claim, c.deleting = True, True
@@ -254,6 +261,9 @@ def fold(s: KeyState, d: Decision) -> KeyState:
                 c.restart_count, c.ready = count, False
                 if c.vm_id in s.vms:
                     s.vms[c.vm_id].state = "exited"
+        case BringUpFailed(fence=f, failures=failures, cause=cause, repeats=repeats):
+            if (c := _cur_for(s, f)) is not None:
+                c.failures, c.failure, c.failure_repeats = failures, cause, repeats
         case Failed(fence=f):
             if (c := _cur_for(s, f)) is not None:
                 c.phase, c.ready = "Failed", False
