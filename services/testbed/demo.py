@@ -28,7 +28,9 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from rich.console import Console
 from rich.table import Table
 
-from services.testbed.stack import LocalStack, pick_runtime
+from services.testbed.natsserver import write_private
+from services.testbed.stack import OPERATOR_USER, LocalStack, pick_runtime
+from shared.bus.connect import Bus
 from shared.bus.logstream import audit_records, read_log
 from shared.tasks import run_main
 
@@ -236,10 +238,9 @@ class Workload:
         return dict(counts)
 
 
-async def _log_settled(stack: LocalStack) -> None:
+async def _log_settled(bus: Bus) -> None:
     """Quiescence of the log: no consumer lag and no new entry for a second."""
-    assert stack.bus is not None
-    js, subjects = stack.bus.js, stack.bus.subjects
+    js, subjects = bus.js, bus.subjects
     last, quiet_since = -1, time.monotonic()
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -296,14 +297,17 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         work = Workload(stack, say)
         try:
             counts = await work.play(args.pods)
-            say("waiting for the log to settle")
-            await _log_settled(stack)
         finally:
             oracle_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await oracle_task
-        assert stack.bus is not None
-        records = [r async for r in read_log(stack.bus.js, stack.bus.subjects)]
+        audit = await stack.open_bus(OPERATOR_USER, "vmfence-demo-audit")  # the audit reads as an operator would
+        try:
+            say("waiting for the log to settle")
+            await _log_settled(audit)
+            records = [r async for r in read_log(audit.js, audit.subjects)]
+        finally:
+            await audit.close()
         report = audit_records(records)
         vms_running = sum(len(v) for v in (await oracle.vms_by_key()).values())
         pods = len(await work.pods())
@@ -384,6 +388,8 @@ async def up(args: argparse.Namespace) -> int:
         console.print(f"vmfence is up (runtime {runtime}). kubeconfig: {out}")
         console.print(f"  kubectl --kubeconfig {args.kubeconfig_out} get pods -w")
         console.print("  virtual nodes: " + ", ".join(f"vmfence-{h}" for h in stack.hosts))
+        console.print(f"  vmfence decisions / replay / status / verify log in as {OPERATOR_USER!r} "
+                      "through .vmfence/stack.json (0600)")
         console.print("Ctrl-C stops everything and removes the VMs this stack created.")
         await stop.wait()
     finally:
@@ -396,8 +402,9 @@ async def up(args: argparse.Namespace) -> int:
 
 
 def _copy_file(src: str, dest: Path) -> None:
+    """A copy only its owner may read (a kubeconfig)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dest)
+    write_private(dest, Path(src).read_text())
 
 
 def run_up(args: argparse.Namespace) -> int:

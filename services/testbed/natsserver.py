@@ -5,6 +5,11 @@ interpreter, on loopback ports chosen up front so a restart comes back on the sa
 Readiness means "the client port accepts and JetStream is healthy" (``/healthz?js-enabled-only``),
 and for a cluster additionally "a JetStream meta leader is elected and sees every node as a
 current peer", each polled with a deadline.
+
+Local stacks run NATS with the deployment's own users and permissions: :func:`render_accounts`
+renders ``deploy/nats/accounts.conf`` itself (the one source of permissions) with passwords of
+:class:`NatsUsers` generated per stack, plus, for a host the file has no user for, a user rendered
+from the file's own ``host-a`` block. The config and the password file are 0600 in 0700 directories.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import asyncio
 import contextlib
 import json
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -25,6 +32,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from shared.bus.connect import NatsAuth
+
 LOOPBACK = "127.0.0.1"
 READY_TIMEOUT_S = 20.0  # start → client port + JetStream healthy
 CLUSTER_READY_TIMEOUT_S = 30.0  # all nodes up → meta leader elected
@@ -36,6 +45,143 @@ LOG_TAIL_LINES = 40
 LOG_FILE = "nats-server.log"
 STDERR_FILE = "nats-server.stderr"
 CONFIG_FILE = "nats-server.conf"
+PRIVATE_DIR = 0o700  # the store, and the config that holds every identity's password
+PRIVATE_FILE = 0o600
+ACCOUNTS_CONF = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "accounts.conf"
+TEMPLATE_HOST = "host-a"  # the accounts.conf block a host without a user of its own is rendered from
+HOST_RE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")  # a subject token, a user name, a KV key
+PASSWORD_BYTES = 24  # of randomness per generated password (32 URL-safe characters)
+_PASSWORD_REF = re.compile(r"\$(VMFENCE_NATS_[A-Z0-9_]+_PASSWORD)\b")
+_USER_LINE = re.compile(r"^\s*\{\s*user:\s*([A-Za-z0-9_-]+)\s*,.*$", re.M)
+
+
+def _private_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
+    os.chmod(path, PRIVATE_DIR)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a file only its owner may read (0600 from its creation on)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), PRIVATE_FILE)  # an existing file keeps its mode on open
+        f.write(text)
+
+
+# ------------------------------------------------------------------------ users and permissions
+
+
+def agent_user(host: str) -> str:
+    """The NATS user of a host's agent, as accounts.conf names it."""
+    return f"agent-{host}"
+
+
+def password_env(user: str) -> str:
+    """The variable accounts.conf reads a user's password from: agent-host-a → VMFENCE_NATS_AGENT_HOST_A_PASSWORD."""
+    return f"VMFENCE_NATS_{user.upper().replace('-', '_')}_PASSWORD"
+
+
+def _block(text: str, name: str) -> tuple[int, int]:
+    """Start and end of the top-level ``NAME: { ... }`` block (braces matched)."""
+    m = re.search(rf"^{re.escape(name)}\s*:\s*\{{", text, re.M)
+    if m is None:
+        raise NatsServerError(f"{ACCOUNTS_CONF.name} has no {name} block to render from")
+    depth = 0
+    for i in range(m.end() - 1, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return m.start(), i + 1
+    raise NatsServerError(f"{ACCOUNTS_CONF.name}: the {name} block is not closed")
+
+
+def _permissions_name(host: str) -> str:
+    return f"AGENT_{host.upper().replace('-', '_')}_PERMISSIONS"
+
+
+def render_accounts(hosts: tuple[str, ...] | list[str], template: str | None = None) -> str:
+    """accounts.conf (``template``: its text) with a user for every host in ``hosts``: a host the
+    file has no user for gets the file's own ``host-a`` block and user line, host name replaced.
+    Passwords are still ``$VMFENCE_NATS_*_PASSWORD`` references (see :func:`with_passwords`)."""
+    text = ACCOUNTS_CONF.read_text() if template is None else template
+    for host in hosts:
+        if not HOST_RE.fullmatch(host):
+            raise NatsServerError(f"host {host!r} is not a NATS user name and subject token ({HOST_RE.pattern})")
+        if re.search(rf"^{_permissions_name(host)}\s*:", text, re.M):
+            continue
+        start, end = _block(text, _permissions_name(TEMPLATE_HOST))
+        block = text[start:end].replace(TEMPLATE_HOST, host).replace(
+            _permissions_name(TEMPLATE_HOST), _permissions_name(host))
+        line = next((m for m in _USER_LINE.finditer(text) if m.group(1) == agent_user(TEMPLATE_HOST)), None)
+        if line is None:
+            raise NatsServerError(f"{ACCOUNTS_CONF.name} has no user {agent_user(TEMPLATE_HOST)} to render from")
+        user_line = line.group(0).replace(agent_user(TEMPLATE_HOST), agent_user(host)).replace(
+            password_env(agent_user(TEMPLATE_HOST)), password_env(agent_user(host))).replace(
+            _permissions_name(TEMPLATE_HOST), _permissions_name(host))
+        text = text[: line.end()] + "\n" + user_line + text[line.end():]
+        text = text[:end] + f"\n\n# rendered from {_permissions_name(TEMPLATE_HOST)} for host {host}\n" \
+            + block + text[end:]
+    return text
+
+
+def users_of(text: str) -> list[str]:
+    """The users an accounts config declares, in order."""
+    return [m.group(1) for m in _USER_LINE.finditer(text)]
+
+
+@dataclass(frozen=True)
+class NatsUsers:
+    """The generated password of every user of a local stack's NATS (never shown in a repr)."""
+
+    passwords: dict[str, str]
+
+    @classmethod
+    def generate(cls, users: list[str]) -> NatsUsers:
+        return cls({u: secrets.token_urlsafe(PASSWORD_BYTES) for u in users})
+
+    def __repr__(self) -> str:
+        return f"NatsUsers({', '.join(sorted(self.passwords))})"
+
+    def password(self, user: str) -> str:
+        try:
+            return self.passwords[user]
+        except KeyError:
+            raise NatsServerError(f"this stack's NATS has no user {user!r}") from None
+
+    def auth(self, user: str) -> NatsAuth:
+        return NatsAuth(user=user, password=self.password(user))
+
+    def env(self, user: str) -> dict[str, str]:
+        """The shared-config variables that make a vmfence process log in as ``user``."""
+        return {"VMFENCE_NATS_USER": user, "VMFENCE_NATS_PASSWORD": self.password(user)}
+
+    def save(self, path: Path) -> None:
+        write_private(path, json.dumps(self.passwords, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> NatsUsers:
+        return cls(dict(json.loads(path.read_text())))
+
+
+def with_passwords(text: str, users: NatsUsers) -> str:
+    """Every ``$VMFENCE_NATS_<USER>_PASSWORD`` of an accounts config replaced by that user's password."""
+    by_env = {password_env(u): p for u, p in users.passwords.items()}
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(1) not in by_env:
+            raise NatsServerError(f"no generated password for ${m.group(1)}")
+        return json.dumps(by_env[m.group(1)])
+
+    return _PASSWORD_REF.sub(sub, text)
+
+
+def local_accounts(hosts: tuple[str, ...] | list[str]) -> tuple[str, NatsUsers]:
+    """The server config of a local stack's users and permissions, and their generated passwords."""
+    text = render_accounts(hosts)
+    users = NatsUsers.generate(users_of(text))
+    return with_passwords(text, users), users
 
 
 class NatsServerError(RuntimeError):
@@ -138,7 +284,7 @@ class NatsServer:
         argv = [self.binary]
         if self.config_text is not None:
             conf = Path(self.store_dir) / CONFIG_FILE
-            conf.write_text(self.config_text)
+            write_private(conf, self.config_text)  # it may hold every identity's password
             argv += ["-c", str(conf)]
         # Flags override the config file, so ports and store always match this object.
         argv += ["-a", LOOPBACK, "-p", str(self.port), "-m", str(self.http_port), "-l", str(self.log_path)]
@@ -161,11 +307,13 @@ class NatsServer:
 
     def _spawn(self) -> None:
         """Popen (not asyncio subprocess) so the handle is not tied to one event loop."""
-        Path(self.store_dir).mkdir(parents=True, exist_ok=True)
-        stderr = open(Path(self.store_dir) / STDERR_FILE, "ab")  # the child keeps its own copy
+        _private_dir(Path(self.store_dir))
+        fd = os.open(Path(self.store_dir) / STDERR_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, PRIVATE_FILE)
+        stderr = os.fdopen(fd, "ab")  # the child keeps its own copy
         try:
-            self._proc = subprocess.Popen(
-                self._argv(), stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, start_new_session=True
+            self._proc = subprocess.Popen(  # umask: the store, its log and its files only for this user
+                self._argv(), stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, start_new_session=True,
+                umask=0o077,
             )
         finally:
             stderr.close()
@@ -368,8 +516,11 @@ def _cluster_conf(name: str, cluster_name: str, route_port: int, peers: list[int
     )
 
 
-async def start_cluster(n: int = 3, *, base_dir: str | None = None, name: str = "vmfence") -> NatsCluster:
-    """n JetStream nodes with routes on loopback; ready when the meta leader sees all n peers."""
+async def start_cluster(
+    n: int = 3, *, base_dir: str | None = None, name: str = "vmfence", accounts: str | None = None
+) -> NatsCluster:
+    """n JetStream nodes with routes on loopback; ready when the meta leader sees all n peers.
+    ``accounts``: users and permissions every node serves (see :func:`local_accounts`)."""
     if n < 1:
         raise ValueError("cluster needs at least one node")
     owns = base_dir is None
@@ -386,7 +537,7 @@ async def start_cluster(n: int = 3, *, base_dir: str | None = None, name: str = 
                 port=free_port(),
                 http_port=free_port(),
                 jetstream=True,
-                config_text=_cluster_conf(node_name, name, route_ports[i], peers),
+                config_text=_cluster_conf(node_name, name, route_ports[i], peers) + (accounts or ""),
                 owns_store=False,
                 name=node_name,
             )

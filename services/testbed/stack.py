@@ -22,13 +22,23 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 from kubernetes_asyncio import client, config
 
 from services.agent.config import AgentConfig
 from services.agent.service import Agent
 from services.apiserver.server import ApiServer, ApiServerConfig, write_kubeconfig
-from services.testbed.natsserver import NatsServer, free_port, start_nats
+from services.testbed.natsserver import (
+    LOOPBACK,
+    NatsServer,
+    NatsUsers,
+    agent_user,
+    free_port,
+    local_accounts,
+    start_nats,
+    write_private,
+)
 from services.watcher.watch import Watcher
 from shared.bus.connect import Bus
 from shared.bus.provision import StreamsConfig, provision
@@ -39,6 +49,9 @@ READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 ROOT = Path(__file__).resolve().parents[2]
 LOCK_FILE = "stack.lock"  # in the run directory, flock'ed for the stack's whole life
+USERS_FILE = "nats-users.json"  # the generated password of every NATS user of this stack (0600)
+HARNESS_USER = "admin"  # the stack's own connection: tests inject faults through it (see LocalStack)
+OPERATOR_USER = "audit"  # what stack.json gives `vmfence decisions/replay/status/verify`
 PRIVATE_DIR = 0o700  # a stack's directories: only its user reads them (passwords, guest files)
 PRIVATE_FILE = 0o600
 
@@ -123,8 +136,35 @@ class ReconcilerProc:
     kills: int = 0
 
 
+def private_dir(path: Path) -> Path:
+    """Create (or tighten) a directory only its owner may enter."""
+    path.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
+    os.chmod(path, PRIVATE_DIR)
+    return path
+
+
+def private_append(path: Path) -> int:
+    """A descriptor appending to a 0600 log file."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, PRIVATE_FILE)
+
+
+def _without_nats_identity(env: dict[str, str]) -> dict[str, str]:
+    """The environment minus any NATS identity a caller's shell set: a child logs in as the stack says."""
+    return {k: v for k, v in env.items() if not k.startswith("VMFENCE_NATS_")}
+
+
 @dataclass
 class LocalStack:
+    """A whole stack in one directory, NATS with the deployment's users and permissions
+    (deploy/nats/accounts.conf, passwords generated per start into ``<root>/nats-users.json``).
+
+    Identities: the watcher logs in as ``watcher``, each agent as ``agent-<host>`` (a host that
+    accounts.conf has no user for gets one rendered from its host-a block), the reconcilers as
+    ``reconciler`` (and provision the streams as that user), ``stack.json`` gives operator
+    commands ``audit``. The stack's own connection, ``bus``, is ``admin``: the tests drive faults
+    through it that no service may do (deleting log entries, reading VMFENCE_IN, benchmark streams).
+    """
+
     root: Path
     runtime: str = "sim"
     partitions: int = 8
@@ -153,6 +193,7 @@ class LocalStack:
     bus: Bus | None = field(default=None, init=False)
     watcher_bus: Bus | None = field(default=None, init=False)
     urls: dict[str, str] = field(default_factory=dict, init=False)  # component -> its NATS URL
+    users: NatsUsers | None = field(default=None, init=False)
     api: client.ApiClient | None = field(default=None, init=False)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
     _agent_tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
@@ -168,16 +209,23 @@ class LocalStack:
         self._lock.acquire()
 
     # ------------------------------------------------------------------------- start
-    async def start(self, on_status: callable = lambda name, state: None) -> None:  # type: ignore[valid-type]
+    async def start(self, on_status: Callable[[str, str], None] = lambda name, state: None) -> None:
         self.lock()
         if self.fresh:
             self._lock.clear_directory()
-        (self.root / "logs").mkdir(parents=True, exist_ok=True)
+        private_dir(self.root)
+        private_dir(self.root / "logs")
+        accounts, self.users = local_accounts(self.hosts)
+        self.users.save(self.root / USERS_FILE)
         on_status("nats", "starting")
-        self.nats = await start_nats(store_dir=str(self.root / "nats"))
+        self.nats = await start_nats(store_dir=str(self.root / "nats"), config_text=accounts)
         on_status("nats", self.nats.url)
-        self.bus = await Bus.open(self.nats.url, name="vmfence-stack", subjects=self.subjects)
-        await provision(self.bus.js, self.subjects, self.streams or StreamsConfig(partitions=self.partitions))
+        self.bus = await self.open_bus(HARNESS_USER, "vmfence-stack")
+        provisioner = await self.open_bus("reconciler", "vmfence-stack-provision")
+        try:
+            await provision(provisioner.js, self.subjects, self.streams or StreamsConfig(partitions=self.partitions))
+        finally:
+            await run_within(provisioner.close(), STOP_TIMEOUT_S, what="closing the provisioning connection")
         components = [*(f"reconciler-{i + 1}" for i in range(self.reconcilers)),
                       *(f"agent-{h}" for h in self.hosts), "watcher"]
         for c in components:
@@ -187,6 +235,7 @@ class LocalStack:
             self.apiserver = ApiServer(ApiServerConfig(db_path=None, watch_window=self.watch_window))
             await self.apiserver.start()
             self.kubeconfig_path = write_kubeconfig(self.apiserver.url, str(self.root / "kubeconfig"))
+            os.chmod(self.kubeconfig_path, PRIVATE_FILE)
             on_status("apiserver", self.apiserver.url)
         else:
             self.kubeconfig_path = self.kubeconfig
@@ -201,9 +250,7 @@ class LocalStack:
         for host in self.hosts:
             await self.start_agent(host)
             on_status(f"agent {host}", f"ready ({self.runtime})")
-        self.watcher_bus = self.bus
-        if self.urls["watcher"] != self.nats.url:
-            self.watcher_bus = await Bus.open(self.urls["watcher"], name="vmfence-watcher", subjects=self.subjects)
+        self.watcher_bus = await self.open_bus("watcher", "vmfence-watcher", url=self.urls["watcher"])
         self.watcher = Watcher(self.api, self.watcher_bus.js, self.subjects)
         self._tasks.append(asyncio.create_task(self.watcher.run(), name="watcher"))
         await asyncio.wait_for(self.watcher.ready.wait(), READY_TIMEOUT_S)
@@ -212,16 +259,31 @@ class LocalStack:
             await self.wait_reconciler_ready(name)
             on_status(name, "ready")
 
+    # ---------------------------------------------------------------------- identities
+    def identity(self, user: str) -> tuple[str, str]:
+        """The server URL and password of one of this stack's NATS users."""
+        assert self.nats is not None and self.users is not None, "the stack is not started"
+        return self.nats.url, self.users.password(user)
+
+    async def open_bus(self, user: str, name: str, *, url: str | None = None) -> Bus:
+        """A connection as ``user`` (to ``url``: a component's door, default the server)."""
+        assert self.nats is not None and self.users is not None, "the stack is not started"
+        return await Bus.open(url or self.nats.url, name=name, subjects=self.subjects, auth=self.users.auth(user))
+
     async def start_agent(self, host: str) -> Agent:
-        assert self.nats is not None
+        assert self.nats is not None and self.users is not None
         agent_cfg = AgentConfig(
-            nats_url=self.urls.get(f"agent-{host}", self.nats.url), host=host, runtime=self.runtime,
+            nats_url=[self.urls.get(f"agent-{host}", self.nats.url)],
+            nats_user=agent_user(host), nats_password=self.users.password(agent_user(host)),
+            host=host, runtime=self.runtime,
             data_dir=str(self.root / "agents" / host), http_port=0, http_host="127.0.0.1",
             partitions=self.partitions, cpus=self.host_cpus, memory_mib=self.host_memory_mib,
             heartbeat_interval=1.0, inventory_interval=30.0, probe_interval=1.0, accel=self.accel,
             vnc_range=None, cleanup_on_stop=True, shutdown_timeout=10.0,
-            **({"ack_wait": self.ack_wait_s} if self.ack_wait_s else {}),
-        ).validate()
+        )
+        if self.ack_wait_s:
+            agent_cfg = dataclasses.replace(agent_cfg, ack_wait=self.ack_wait_s)
+        agent_cfg = agent_cfg.validate()
         agent = Agent(agent_cfg)
         ready = asyncio.Event()
         self.agents[host] = agent
@@ -242,7 +304,9 @@ class LocalStack:
 
     def start_reconciler(self, name: str) -> None:
         rp = self.recs[name]
-        assert self.nats is not None
+        assert self.nats is not None and self.users is not None
+        log = private_append(rp.log)
+        env = {**_without_nats_identity(dict(os.environ)), **self.users.env("reconciler")}  # not in argv (ps)
         rp.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "services.cli", "reconciler", "--nats-url", self.urls.get(name, self.nats.url),
@@ -253,10 +317,13 @@ class LocalStack:
                 *(["--ack-wait", str(self.ack_wait_s)] if self.ack_wait_s else []),
             ],
             stdout=subprocess.DEVNULL,
-            stderr=rp.log.open("ab"),
+            stderr=log,
             cwd=ROOT,
+            env=env,
             start_new_session=True,
+            umask=0o077,
         )
+        os.close(log)  # the child has its own copy
 
     async def wait_reconciler_ready(self, name: str) -> None:
         rp = self.recs[name]
@@ -277,13 +344,25 @@ class LocalStack:
             rp.kills += 1
 
     # ----------------------------------------------------------------------- record
+    def operator_url(self) -> str:
+        """The server URL with the audit identity in it: what operator commands read from stack.json
+        (shown only masked, ``nats://audit:***@…``)."""
+        assert self.nats is not None and self.users is not None
+        password = quote(self.users.password(OPERATOR_USER), safe="")
+        return f"nats://{OPERATOR_USER}:{password}@{LOOPBACK}:{self.nats.port}"
+
     def record(self, path: str = ".vmfence/stack.json") -> None:
+        """stack.json (0600, in a 0700 directory when this creates it) for operator commands: the
+        server with the read-only ``audit`` identity, the API server, prefix and partitions."""
         assert self.nats is not None
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(
+        parent = Path(path).parent
+        if not parent.exists():
+            private_dir(parent)
+        write_private(
+            Path(path),
             json.dumps(
                 {
-                    "nats_url": self.nats.url,
+                    "nats_url": self.operator_url(),
                     "apiserver_url": self.apiserver.url if self.apiserver else None,
                     "kubeconfig": os.path.abspath(self.kubeconfig_path),
                     "prefix": self.subjects.prefix,
@@ -291,7 +370,7 @@ class LocalStack:
                     "pid": os.getpid(),
                 },
                 indent=2,
-            )
+            ),
         )
 
     # ------------------------------------------------------------------------- stop

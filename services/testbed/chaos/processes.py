@@ -58,6 +58,7 @@ class Proc:
     argv: list[str]
     port: int
     log: Path
+    env: dict[str, str] = field(default_factory=dict)  # its NATS identity (VMFENCE_NATS_USER/_PASSWORD)
     popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -65,10 +66,17 @@ class Proc:
         return self.popen is not None and self.popen.poll() is None
 
     def start(self) -> None:
-        with self.log.open("ab") as err:  # the child keeps its own descriptor
+        from services.testbed.stack import private_append
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VMFENCE_NATS_")} | self.env
+        err = private_append(self.log)
+        try:  # the identity travels in the environment, never in argv (ps shows argv to everyone)
             self.popen = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd=ROOT, start_new_session=True
+                self.argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd=ROOT, env=env,
+                start_new_session=True, umask=0o077,
             )
+        finally:
+            os.close(err)  # the child keeps its own descriptor
 
     def kill(self) -> None:
         if self.popen is not None and self.popen.poll() is None:
@@ -350,8 +358,8 @@ class ProcessChaos:
     async def start_stack(self) -> None:
         from kubernetes_asyncio import client, config
 
-        from services.testbed.natsserver import free_port, start_cluster
-        from services.testbed.stack import DirLock
+        from services.testbed.natsserver import agent_user, free_port, local_accounts, start_cluster
+        from services.testbed.stack import HARNESS_USER, USERS_FILE, DirLock, private_dir
         from shared.bus.connect import Bus
         from shared.bus.provision import StreamsConfig, provision
         from shared.subjects import Subjects
@@ -359,15 +367,25 @@ class ProcessChaos:
         self.dir_lock = DirLock(self.run_dir)
         self.dir_lock.acquire()  # StackBusy before anything of another run's is touched
         self.dir_lock.clear_directory()
-        logs = self.run_dir / "logs"
-        logs.mkdir(parents=True)
-        self.cluster = await start_cluster(3, base_dir=str(self.run_dir / "nats"))
+        logs = private_dir(self.run_dir / "logs")
+        # the deployment's users and permissions (deploy/nats/accounts.conf), passwords of this run
+        accounts, users = local_accounts(HOSTS)
+        users.save(self.run_dir / USERS_FILE)
+        self.cluster = await start_cluster(3, base_dir=str(private_dir(self.run_dir / "nats")), accounts=accounts)
         urls = ",".join(self.cluster.urls)
         self.subjects = Subjects(partitions=PARTITIONS)
-        self.bus = await Bus.open(self.cluster.urls, name="vmfence-chaos", subjects=self.subjects)
-        await provision(
-            self.bus.js, self.subjects, StreamsConfig(replicas=3, partitions=PARTITIONS, lease_ttl_s=LEASE_TTL_S)
-        )
+        # the campaign's own connection is admin: it reads every consumer's lag and lists the streams
+        self.bus = await Bus.open(self.cluster.urls, name="vmfence-chaos", subjects=self.subjects,
+                                  auth=users.auth(HARNESS_USER))
+        provisioner = await Bus.open(self.cluster.urls, name="vmfence-chaos-provision", subjects=self.subjects,
+                                     auth=users.auth("reconciler"))
+        try:
+            await provision(
+                provisioner.js, self.subjects,
+                StreamsConfig(replicas=3, partitions=PARTITIONS, lease_ttl_s=LEASE_TTL_S),
+            )
+        finally:
+            await provisioner.close()
         kubeconfig = str(self.run_dir / "kubeconfig")
         api_port = free_port()
         self.api_port = api_port
@@ -391,13 +409,14 @@ class ProcessChaos:
                 "--probe-interval", "1", "--vnc-range", "none", "--shutdown-timeout", "10",
                 "--cleanup-on-stop", "--sim-seed", str(self.rng.randrange(2**31)),
             )  # fmt: skip
-            self.procs[f"agent-{host}"] = Proc(f"agent-{host}", "agent", argv, port, logs / f"agent-{host}.log")
+            self.procs[f"agent-{host}"] = Proc(f"agent-{host}", "agent", argv, port, logs / f"agent-{host}.log",
+                                               env=users.env(agent_user(host)))
         port = free_port()
         self.procs["watcher"] = Proc(
             "watcher", "watcher",
             _svc("watcher", "--nats-url", urls, "--kubeconfig", kubeconfig, "--partitions", str(PARTITIONS),
                  "--namespace", NS, "--http-host", "127.0.0.1", "--http-port", str(port)),
-            port, logs / "watcher.log",
+            port, logs / "watcher.log", env=users.env("watcher"),
         )  # fmt: skip
         for i in (1, 2):
             port = free_port()
@@ -409,7 +428,7 @@ class ProcessChaos:
                      "--data-dir", str(self.run_dir / "reconcilers"), "--http-host", "127.0.0.1",
                      "--http-port", str(port), "--lease-ttl", str(int(LEASE_TTL_S)),
                      "--snapshot-interval", "0.5", "--restart-backoff", "1"),
-                port, logs / f"{name}.log",
+                port, logs / f"{name}.log", env=users.env("reconciler"),
             )  # fmt: skip
         for p in self.procs.values():
             if not p.running:
