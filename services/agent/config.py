@@ -6,6 +6,7 @@ stderr and exit code 2.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -18,18 +19,30 @@ __all__ = ["AgentConfig", "ConfigError", "parse_range"]
 
 HOST_RE = r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}"  # one subject token, durable and KV key
 SIM_FAULT_RE = r"(delay|fail|crash_after|inconclusive):([a-z*]+)(:[0-9.]+)?"
-MAX_DISPLAY = 59635  # 5900 + display must be a TCP port
+VNC_BASE_PORT = 5900  # display N listens on TCP 5900 + N (QEMU's -vnc :N)
+MAX_PORT = 65535
+OLD_VNC_ENV = "VMFENCE_VNC_RANGE"  # display numbers once, mistaken for ports by deployments
 
 
 def parse_range(text: str) -> range | None:
-    """``10-109`` (inclusive) or ``none``/empty → no VNC."""
+    """``5910-6009``: the VNC *TCP ports* (inclusive), as a firewall or a port mapping names them;
+    the displays are ``port - 5900``. ``none``/empty → no VNC."""
     t = text.strip().lower()
     if t in ("", "none", "off"):
         return None
     m = re.fullmatch(r"(\d+)-(\d+)", t)
-    if not m or not 0 <= int(m.group(1)) <= int(m.group(2)) <= MAX_DISPLAY:
-        raise ValueError(f"is not a vnc range: want FIRST-LAST with 0 <= FIRST <= LAST <= {MAX_DISPLAY}, or none")
-    return range(int(m.group(1)), int(m.group(2)) + 1)
+    if not m or not VNC_BASE_PORT <= int(m.group(1)) <= int(m.group(2)) <= MAX_PORT:
+        raise ValueError(f"is not a range of VNC ports: want FIRST-LAST with {VNC_BASE_PORT} <= FIRST <= LAST <= "
+                         f"{MAX_PORT} (TCP ports; display = port - {VNC_BASE_PORT}), or none")
+    return range(int(m.group(1)) - VNC_BASE_PORT, int(m.group(2)) - VNC_BASE_PORT + 1)
+
+
+def parse_listen(text: str) -> str:
+    """An IP address VNC listens on (default loopback)."""
+    try:
+        return str(ipaddress.ip_address(text.strip().strip("[]")))
+    except ValueError:
+        raise ValueError("is not an IP address") from None
 
 
 def _default_host() -> str:
@@ -58,8 +71,12 @@ class AgentConfig(ServiceSettings):
     data_dir: str = setting(".vmfence/agent", "ledger and runtime state")
     snapshot_dir: str = setting("", "hibernation snapshots", shown_default="<data-dir>/snapshots")
     accel: str = setting("auto", "qemu accelerator: auto, kvm or tcg", choices=("auto", "kvm", "tcg"))
-    vnc_range: range | None = setting(range(10, 110), "VNC displays FIRST-LAST (port 5900+N) or none",
-                                      parse=parse_range, shown_default="10-109")
+    vnc_range: range | None = setting(
+        range(10, 110), "VNC TCP ports FIRST-LAST (display = port - 5900), or none", flag="--vnc-ports",
+        aliases=("--vnc-range",), parse=parse_range, metavar="FIRST-LAST", shown_default="5910-6009",
+    )
+    vnc_listen: str = setting("127.0.0.1", "address VNC displays listen on (each VM's has its own password)",
+                              parse=parse_listen, metavar="ADDRESS")
     cpus: int = setting(help="CPU capacity reported in the heartbeat", factory=lambda: os.cpu_count() or 1,
                         lo=1, shown_default="the CPU count")
     memory_mib: int = setting(4096, "memory capacity (MiB) reported in the heartbeat", lo=16)
@@ -105,13 +122,16 @@ class AgentConfig(ServiceSettings):
         super().check()
         if self.max_ack_pending < self.max_concurrency:
             raise ConfigError("--max-ack-pending must be at least --max-concurrency")
+        if OLD_VNC_ENV in os.environ:
+            raise ConfigError(f"{OLD_VNC_ENV} is not read any more (it took display numbers): set VMFENCE_VNC_PORTS "
+                              f"to the VNC TCP ports FIRST-LAST, e.g. 5910-5929, or none")
         if self.retry_max < self.retry_base:
             raise ConfigError("--retry-max must be at least --retry-base")
         if self.sim_faults and self.runtime != "sim":
             raise ConfigError("--sim-fault needs --runtime sim")
         for label, path in (("data dir", self.data_dir), ("snapshot dir", self.snapshots)):
             try:
-                os.makedirs(path, exist_ok=True)
+                os.makedirs(path, mode=0o700, exist_ok=True)  # created: the agent user's alone
             except OSError as e:
                 raise ConfigError(f"{label} {path!r} is not usable: {e.strerror}") from None
             if not os.access(path, os.W_OK | os.X_OK):

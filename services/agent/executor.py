@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from services.agent.labels import fence_labels, labels_fence
-from services.agent.ledger import TRANSIENT_STATES, Ledger, VMRow
+from services.agent.ledger import TRANSIENT_STATES, Claim, Ledger, VMRow
 from services.agent.logs import cmd_fields, fence_fields
 from services.agent.ops import OPS, Answer
 from services.agent.runtime import (
@@ -184,7 +184,7 @@ class Executor:
     async def record(self, cmd: Command, outcome: ResultOutcome, *, error: str | None = None,
                      info: VMInfo | None = None, snapshot: str | None = None,
                      found: list[Inventoried] | None = None, put: VMRow | None = None,
-                     bury: tuple[str, Fence] | None = None, claim: Iterable[tuple[str, str]] = (),
+                     bury: tuple[str, Fence] | None = None, claim: Iterable[Claim] = (),
                      transfer_to: Fence | None = None) -> CommandResult:
         """Store the command's result by its id together with its ledger change, atomically."""
         result = self._result(cmd, outcome, error=error, info=info, snapshot=snapshot, found=found)
@@ -292,13 +292,13 @@ class Executor:
                        probe_host_port=info.probe_host_port, ip=info.ip, **changes)  # type: ignore[arg-type]
 
     @staticmethod
-    def claims(info: VMInfo) -> list[tuple[str, str]]:
-        """The reservations the runtime gave the VM (rule 9)."""
+    def claims(info: VMInfo) -> list[Claim]:
+        """The reservations the runtime gave the VM (rule 9); a VNC display with its password."""
         out = []
         if info.vnc_display is not None:
-            out.append(("vnc", str(info.vnc_display)))
+            out.append(Claim("vnc", str(info.vnc_display), info.vnc_password))
         if info.probe_host_port is not None:
-            out.append(("port", str(info.probe_host_port)))
+            out.append(Claim("port", str(info.probe_host_port)))
         return out
 
     # ------------------------------------------------------------------ runtime events

@@ -14,12 +14,15 @@ through, so probes and event handlers can check ownership cheaply right before t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import aiosqlite
 import msgspec
@@ -29,6 +32,7 @@ from shared.fence.schema import CommandResult, Fence, Spec, decode_input, encode
 log = logging.getLogger("vmfence.agent.ledger")
 
 LEDGER_FILE = "ledger.sqlite3"
+LEDGER_MODE = 0o600  # it holds VNC passwords; SQLite gives its -wal and -shm files the same mode
 BUSY_TIMEOUT_MS = 5000
 
 # VM row states. "creating"/"waking"/"removing"/"hibernating" are intents recorded before the
@@ -82,6 +86,7 @@ CREATE TABLE IF NOT EXISTS reservations (
     uid TEXT NOT NULL,
     epoch INTEGER NOT NULL,
     at REAL NOT NULL,
+    secret TEXT,
     PRIMARY KEY (kind, resource)
 );
 """
@@ -133,6 +138,15 @@ class Reservation:
     resource: str
     vm_id: str
     fence: Fence
+    secret: str | None = None  # a VNC display's password: owned, moved and released with it
+
+
+class Claim(NamedTuple):
+    """A reservation the runtime gave a VM: ``(kind, resource)`` and, for a VNC display, its password."""
+
+    kind: str
+    resource: str
+    secret: str | None = None
 
 
 @dataclass
@@ -153,6 +167,7 @@ class Ledger:
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> None:
         """Open (creating if needed) with WAL + synchronous=FULL, then load the VM mirror."""
+        _private(self.path)
         db = await aiosqlite.connect(self.path, isolation_level=None)
         self._db = db
         await db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
@@ -171,6 +186,10 @@ class Ledger:
             columns = [row[1] async for row in cur]
         if "uid" not in columns:  # a ledger from before marks named their incarnation
             await db.execute("ALTER TABLE key_marks ADD COLUMN uid TEXT NOT NULL DEFAULT ''")
+        async with db.execute("PRAGMA table_info(reservations)") as cur:
+            columns = [row[1] async for row in cur]
+        if "secret" not in columns:  # a ledger from before VNC displays had passwords
+            await db.execute("ALTER TABLE reservations ADD COLUMN secret TEXT")
         async with db.execute("SELECT key, epoch, uid FROM key_marks") as cur:
             async for key, epoch, uid in cur:
                 self._marks[key] = int(epoch)
@@ -278,8 +297,16 @@ class Ledger:
         assert isinstance(decoded, CommandResult)
         return decoded
 
+    async def vnc_password(self, vm_id: str) -> str | None:
+        """The password of the VNC display ``vm_id``'s owner holds (None: no display)."""
+        async with self.db.execute(
+            "SELECT secret FROM reservations WHERE kind = 'vnc' AND vm_id = ?", (vm_id,)
+        ) as cur:
+            raw = await cur.fetchone()
+        return str(raw[0]) if raw is not None and raw[0] is not None else None
+
     async def reservations(self, vm_id: str | None = None) -> list[Reservation]:
-        sql = "SELECT kind, resource, vm_id, r.uid, r.epoch, v.key FROM reservations r "
+        sql = "SELECT kind, resource, vm_id, r.uid, r.epoch, v.key, r.secret FROM reservations r "
         sql += "LEFT JOIN vms v USING (vm_id)"
         args: tuple[str, ...] = ()
         if vm_id is not None:
@@ -287,8 +314,8 @@ class Ledger:
             args = (vm_id,)
         out: list[Reservation] = []
         async with self.db.execute(sql, args) as cur:
-            async for kind, resource, vid, uid, epoch, key in cur:
-                out.append(Reservation(kind, resource, vid, Fence(key or "", uid, epoch)))
+            async for kind, resource, vid, uid, epoch, key, secret in cur:
+                out.append(Reservation(kind, resource, vid, Fence(key or "", uid, epoch), secret))
         return out
 
     async def reservation_owner(self, kind: str, resource: str) -> tuple[str, str, int] | None:
@@ -327,14 +354,14 @@ class Ledger:
         *,
         put: VMRow | None = None,
         bury: tuple[str, Fence] | None = None,
-        claim: Iterable[tuple[str, str]] = (),
+        claim: Iterable[Claim | tuple[str, str]] = (),
         transfer_to: Fence | None = None,
     ) -> None:
         """Store a command's result together with its ledger effect, atomically.
 
         ``put``: the VM's new row. ``bury``: ``(reason, owner fence)`` tombstones the vm_id, drops its
-        row and releases the reservations that owner holds on it. ``claim``: ``(kind, resource)``
-        reservations for ``put``'s owner. ``transfer_to``: move the VM's reservations to a new
+        row and releases the reservations that owner holds on it. ``claim``: ``(kind, resource[,
+        secret])`` reservations for ``put``'s owner. ``transfer_to``: move the VM's reservations to a new
         owner (adopt).
         """
         now = time.time()
@@ -343,9 +370,10 @@ class Ledger:
         async with self._tx() as db:
             if put is not None:
                 await _upsert(db, put)
-                for kind, resource in claim:
+                for c in claim:
+                    kind, resource, secret = Claim(*c)
                     try:
-                        await _claim(db, kind, resource, put.vm_id, put.fence, now)
+                        await _claim(db, kind, resource, put.vm_id, put.fence, now, secret)
                     except ReservationConflict as e:
                         # the runtime just assigned it to this VM, so the holder's VM no longer has
                         # it; never take it over silently, never wedge the command on it either
@@ -404,6 +432,14 @@ class Ledger:
 # ---------------------------------------------------------------------------------- helpers
 
 
+def _private(path: str) -> None:
+    """The ledger file (created if missing) and its -wal/-shm files are the agent user's alone."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, LEDGER_MODE))
+    for p in (path, f"{path}-wal", f"{path}-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(p, LEDGER_MODE)
+
+
 def _row_from_db(d: dict[str, object]) -> VMRow:
     return VMRow(
         vm_id=str(d["vm_id"]),
@@ -443,19 +479,25 @@ async def _upsert(db: aiosqlite.Connection, row: VMRow) -> None:
 
 
 async def _claim(
-    db: aiosqlite.Connection, kind: str, resource: str, vm_id: str, owner: Fence, now: float
+    db: aiosqlite.Connection, kind: str, resource: str, vm_id: str, owner: Fence, now: float,
+    secret: str | None = None,
 ) -> None:
+    """Claim for ``(vm_id, owner)``; its owner may set the secret (what the runtime says is true),
+    nobody else touches the row (rule 9)."""
     async with db.execute(
         "SELECT vm_id, uid, epoch FROM reservations WHERE kind = ? AND resource = ?", (kind, resource)
     ) as cur:
         raw = await cur.fetchone()
     if raw is not None:
         if (raw[0], raw[1], int(raw[2])) == (vm_id, owner.uid, owner.epoch):
+            if secret is not None:
+                await db.execute("UPDATE reservations SET secret = ? WHERE kind = ? AND resource = ?",
+                                 (secret, kind, resource))
             return
         raise ReservationConflict(f"{kind} {resource} is held by {raw[0]}/{raw[1]}/{raw[2]}")
     await db.execute(
-        "INSERT INTO reservations (kind, resource, vm_id, uid, epoch, at) VALUES (?, ?, ?, ?, ?, ?)",
-        (kind, resource, vm_id, owner.uid, owner.epoch, now),
+        "INSERT INTO reservations (kind, resource, vm_id, uid, epoch, at, secret) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (kind, resource, vm_id, owner.uid, owner.epoch, now, secret),
     )
 
 

@@ -85,6 +85,7 @@ FETCH_ERROR_BACKOFF_S = 1.0
 LOST_REPORTED_S = 600.0  # inventories repeat a VM the runtime lost for this long
 REPORT_RETRY_MAX_S = 5.0  # a runtime event's report is retried at least this often until stored
 LOCK_FILE = "agent.lock"
+DATA_DIR_MODE = 0o700
 CANCEL_ATTEMPTS = 50  # re-cancels of a startup step that swallowed a cancel
 CANCEL_RETRY_S = 0.1
 
@@ -327,9 +328,13 @@ class Agent:
             self._lock_fd = None
 
     def _lock_data_dir(self) -> None:
-        """One agent per data dir: two writers of one ledger would each believe they own the VMs."""
-        os.makedirs(self.config.data_dir, exist_ok=True)
-        fd = os.open(os.path.join(self.config.data_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        """One agent per data dir: two writers of one ledger would each believe they own the VMs.
+        The data dir holds the ledger (VNC passwords) and the VMs' files: the agent user's alone."""
+        os.makedirs(self.config.data_dir, mode=DATA_DIR_MODE, exist_ok=True)
+        if os.stat(self.config.data_dir).st_mode & 0o777 != DATA_DIR_MODE:
+            os.chmod(self.config.data_dir, DATA_DIR_MODE)
+        fd = os.open(os.path.join(self.config.data_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+        os.fchmod(fd, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -342,7 +347,7 @@ class Agent:
         displays = cfg.vnc_range if cfg.vnc_range is not None else range(0)
         if cfg.runtime == "qemu":
             return make_driver("qemu", state_dir=cfg.runtime_dir, accel=cfg.accel, vnc_displays=displays,
-                               image_store=cfg.images)
+                               vnc_listen=cfg.vnc_listen, image_store=cfg.images)
         driver = make_driver("sim", state_dir=cfg.runtime_dir, seed=cfg.sim_seed, vnc_displays=displays,
                              image_store=cfg.images)
         _sim_faults(driver, cfg.sim_faults)

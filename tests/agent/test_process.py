@@ -151,7 +151,10 @@ async def test_sigterm_leaves_sim_vms_running(
         (["--http-port", "http"], {}, "--http-port"),
         (["--runtime", "docker"], {}, "runtime"),
         ([], {"VMFENCE_PARTITIONS": "zero"}, "VMFENCE_PARTITIONS"),
-        ([], {"VMFENCE_VNC_RANGE": "9-3"}, "vnc range"),
+        ([], {"VMFENCE_VNC_PORTS": "9-3"}, "VNC ports"),
+        ([], {"VMFENCE_VNC_PORTS": "10-109"}, "VNC ports"),  # display numbers where ports are asked
+        ([], {"VMFENCE_VNC_RANGE": "5900-5919"}, "VMFENCE_VNC_RANGE is not read any more"),
+        (["--vnc-listen", "localhost"], {}, "--vnc-listen"),
         (["--host", "bad.host"], {}, "host"),
         (["--no-such-flag"], {}, "unrecognized"),
     ],

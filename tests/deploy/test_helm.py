@@ -209,7 +209,8 @@ def test_agent_daemonset(docs: list[dict[str, Any]]) -> None:
         "VMFENCE_ACCEL",
         "VMFENCE_DATA_DIR",
         "VMFENCE_SNAPSHOT_DIR",
-        "VMFENCE_VNC_RANGE",
+        "VMFENCE_VNC_PORTS",
+        "VMFENCE_VNC_LISTEN",
     ):
         assert name in env
     assert ("VMFENCE_NATS_CREDS" in env) != ("VMFENCE_NATS_USER" in env), "one way to authenticate"

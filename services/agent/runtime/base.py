@@ -33,6 +33,7 @@ class VMInfo(msgspec.Struct):
     ip: str | None = None
     labels: dict[str, str] = {}
     exit_code: int | None = None
+    vnc_password: str | None = None  # the display's password (with vnc_display); never published
 
 
 class SnapshotInfo(msgspec.Struct):

@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+import secrets
 import socket
+import string
 import threading
 from collections.abc import Iterable
 
 from .base import RuntimeFailure, VMSpec
+
+# RFB's "VNC Authentication" uses the first 8 characters of a password and no more (a DES key):
+# a per-VM password is exactly that long, from letters and digits (about 47 bits)
+VNC_PASSWORD_CHARS = 8
+VNC_ALPHABET = string.ascii_letters + string.digits
+DEFAULT_VNC_LISTEN = "127.0.0.1"
+
+
+def new_vnc_password() -> str:
+    """A fresh per-VM VNC password."""
+    return "".join(secrets.choice(VNC_ALPHABET) for _ in range(VNC_PASSWORD_CHARS))
 
 
 class ReservationError(RuntimeFailure):
     """A reservation was released or claimed by someone who does not own it."""
 
 
-def _port_free(port: int, host: str = "127.0.0.1") -> bool:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+def _port_free(port: int, host: str = DEFAULT_VNC_LISTEN) -> bool:
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         s.bind((host, port))
         return True
@@ -37,8 +50,10 @@ class DisplayPool:
 
     BASE_PORT = 5900
 
-    def __init__(self, displays: Iterable[int] = range(10, 110), *, check_port: bool = True) -> None:
+    def __init__(self, displays: Iterable[int] = range(10, 110), *, check_port: bool = True,
+                 listen: str = DEFAULT_VNC_LISTEN) -> None:
         self.displays = displays
+        self.listen = listen  # the address VNC listens on: where a port must be free
         self._order = list(self.displays)
         self._owner: dict[int, str] = {}
         self._check_port = check_port
@@ -58,7 +73,7 @@ class DisplayPool:
             for d in self._order:
                 if d in self._owner:
                     continue
-                if self._check_port and not _port_free(self.BASE_PORT + d):
+                if self._check_port and not _port_free(self.BASE_PORT + d, self.listen):
                     continue
                 self._owner[d] = owner
                 return d

@@ -43,7 +43,7 @@ from .base import (
     check_vm_id,
 )
 from .images import ImageError, check_in_store
-from .pool import DisplayPool, vnc_owner
+from .pool import VNC_ALPHABET, VNC_PASSWORD_CHARS, DisplayPool, vnc_owner
 
 OPS = ("create", "start", "stop", "remove", "inspect", "list", "snapshot", "restore", "probe")
 
@@ -151,6 +151,7 @@ class _SimVM(msgspec.Struct):
     probe_host_port: int | None = None
     exit_code: int | None = None
     memory_token: str = ""
+    vnc_password: str | None = None
     ready: bool = True
 
 
@@ -215,10 +216,10 @@ class SimDriver:
         path = self._path()
         if path is None:
             return
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(msgspec.json.encode(self._host))
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(msgspec.json.encode(self._host))  # VNC passwords: the agent user's alone
         os.replace(tmp, path)
 
     def _load(self) -> None:
@@ -271,6 +272,7 @@ class SimDriver:
             state=vm.state,
             pid=vm.pid if vm.state in ("running", "paused") else None,
             vnc_display=vm.vnc_display,
+            vnc_password=vm.vnc_password if vm.vnc_display is not None else None,
             probe_host_port=vm.probe_host_port,
             ip="10.0.2.15" if vm.spec.image else None,
             labels=dict(vm.spec.labels),
@@ -295,13 +297,16 @@ class SimDriver:
             port = self._host.next_port
             self._host.next_port += 1
         disp = self._displays.reserve(self._owner(spec)) if spec.vnc else None
+        memory_token = token if token is not None else f"{self.rng.getrandbits(64):016x}"
+        password = "".join(self.rng.choice(VNC_ALPHABET) for _ in range(VNC_PASSWORD_CHARS)) if spec.vnc else None
         return _SimVM(
             spec=spec,
             state="running",
             pid=pid,
             vnc_display=disp,
+            vnc_password=password,
             probe_host_port=port,
-            memory_token=token if token is not None else f"{self.rng.getrandbits(64):016x}",
+            memory_token=memory_token,
         )
 
     # ------------------------------------------------------------------ driver interface
@@ -353,7 +358,10 @@ class SimDriver:
             raise RuntimeFailure(f"start {vm_id}: no such VM")
         if vm.state == "exited":
             fresh = self._boot(vm.spec, token=None)
-            fresh.vnc_display = vm.vnc_display if vm.vnc_display is not None else fresh.vnc_display
+            if vm.vnc_display is not None:  # a restart in place keeps its display and its password
+                if fresh.vnc_display is not None:
+                    self._displays.release(fresh.vnc_display, self._owner(vm.spec))
+                fresh.vnc_display, fresh.vnc_password = vm.vnc_display, vm.vnc_password
             vm = fresh
             self._host.vms[vm_id] = vm
         self._know(vm_id)
@@ -488,9 +496,9 @@ class SimDriver:
 def _write_snapshot(dest: str, payload: bytes) -> int:
     d = os.path.dirname(dest)
     if d:
-        os.makedirs(d, exist_ok=True)
-    with open(dest, "wb") as f:
-        f.write(payload)
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    with os.fdopen(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        f.write(payload)  # as a qemu host's: a snapshot is the guest's memory
     return len(payload)
 
 

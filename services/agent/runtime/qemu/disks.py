@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 
 from ..base import RuntimeFailure
+from .files import FILE_MODE, copy_private, private_dir
 
 OVERLAY = "disk.qcow2"
 
@@ -52,24 +52,26 @@ class Disks:
             return base
         async with self._base_lock:
             if not os.path.exists(base):
-                os.makedirs(os.path.dirname(base), exist_ok=True)
+                private_dir(os.path.dirname(base))
                 tmp = f"{base}.{os.getpid()}.tmp"
                 await run_tool(self.qemu_img, "create", "-q", "-f", "qcow2", tmp, f"{self.base_disk_mib}M")
+                os.chmod(tmp, FILE_MODE)
                 os.replace(tmp, base)
         return base
 
     async def create_overlay(self, vm_dir: str) -> None:
         base = await self._ensure_base()
         await run_tool(self.qemu_img, "create", "-q", "-f", "qcow2", "-b", base, "-F", "qcow2", overlay(vm_dir))
+        os.chmod(overlay(vm_dir), FILE_MODE)  # the guest's disk (in a 0700 directory from the start)
 
     @staticmethod
     async def save(vm_dir: str, dest: str) -> None:
         """Copy the VM's overlay to ``dest`` (a hibernation keeps its disk beside its memory)."""
-        await asyncio.to_thread(shutil.copyfile, overlay(vm_dir), dest)
+        await asyncio.to_thread(copy_private, overlay(vm_dir), dest)
 
     async def restore(self, vm_dir: str, saved: str) -> None:
         """The VM's overlay from ``saved`` if there is one, else a fresh overlay."""
         if os.path.isfile(saved):
-            await asyncio.to_thread(shutil.copyfile, saved, overlay(vm_dir))
+            await asyncio.to_thread(copy_private, saved, overlay(vm_dir))
         else:
             await self.create_overlay(vm_dir)

@@ -9,13 +9,20 @@ Layout under ``state_dir``::
 
     base/blank.qcow2            blank base disk, created once, overlaid by every VM
     accel.json                  cached result of the accel=auto probe
-    vms/<vm_id>/spec.json       the VM's record (spec + runtime assignments); open() rediscovers from it
+    vms/<vm_id>/spec.json       the VM's record (spec + runtime assignments, the VNC password); open()
+                                rediscovers from it
     vms/<vm_id>/disk.qcow2      qcow2 overlay (qemu-img create -f qcow2 -b <base> -F qcow2)
     vms/<vm_id>/qmp.sock        QMP socket (bound by the driver, handed to QEMU as a listening fd)
     vms/<vm_id>/qemu.pid        QEMU's pidfile (QEMU holds a lock on it while it runs)
     vms/<vm_id>/serial.log      guest serial console
     vms/<vm_id>/firmware.log    SeaBIOS output (debugcon port 0x402)
     vms/<vm_id>/qemu.log        QEMU's stderr
+
+Every file is 0600 and every directory 0700 (snapshots in the store too): a VM's disk, RAM, console
+and record are the agent user's alone; the QMP socket is the agent user's too. A VNC display
+(``-vnc <vnc_listen>:<display>,password=on``) takes nobody until launch sets the VM's own password
+over QMP (``change-vnc-password``); the password is kept in the record and handed to the agent in
+``VMInfo.vnc_password``, which stores it with the display's reservation in its ledger.
 
 QEMU runs in its own session (``start_new_session``) so it outlives the agent; ``close()`` only
 drops connections. Exit detection: the QMP connection's EOF (then ``waitpid`` when the VM is our
@@ -55,10 +62,10 @@ from ..base import (
     check_vm_id,
 )
 from ..images import check_in_store
-from ..pool import DisplayPool, vnc_owner
+from ..pool import DEFAULT_VNC_LISTEN, DisplayPool, new_vnc_password, vnc_owner
 from .accel import AccelProbe
 from .disks import Disks, overlay
-from .files import image_files, is_our_qemu, read_pidfile
+from .files import DIR_MODE, image_files, is_our_qemu, private_dir, private_file, read_pidfile
 from .migration import Migration, snapshot_disk
 from .process import VM, Qemu, Record, read_record
 
@@ -82,6 +89,7 @@ class QemuDriver:
         qemu_img: str = "qemu-img",
         vnc_displays: range = range(10, 110),
         display_pool: DisplayPool | None = None,
+        vnc_listen: str = DEFAULT_VNC_LISTEN,
         image_store: str | None = None,
         reconcile_interval: float = 2.0,
         qmp_timeout: float = 5.0,
@@ -113,10 +121,11 @@ class QemuDriver:
         self._qemu = Qemu(
             binary=binary, machine=machine, qmp_timeout=qmp_timeout, start_timeout=start_timeout,
             stop_timeout=stop_timeout, kernel_append=kernel_append, tcg_tb_size_mib=tcg_tb_size_mib,
-            nic_model=nic_model,
+            nic_model=nic_model, vnc_listen=vnc_listen,
         )  # fmt: skip
         self._migration = Migration(self._qemu, timeout=migrate_timeout)
-        self.displays = display_pool if display_pool is not None else DisplayPool(vnc_displays)
+        self.vnc_listen = vnc_listen
+        self.displays = display_pool if display_pool is not None else DisplayPool(vnc_displays, listen=vnc_listen)
         # set (the agent sets it): a spec's image and the files QEMU opens in it resolve inside it
         self.image_store = os.path.abspath(image_store) if image_store is not None else None
         self.reconcile_interval = reconcile_interval
@@ -166,7 +175,8 @@ class QemuDriver:
     async def open(self) -> None:
         """Rediscover VMs from state_dir/vms/*/spec.json: live ones are reattached over QMP,
         dead ones are listed as exited (their directory stays, start() relaunches them)."""
-        os.makedirs(self.vms_dir, exist_ok=True)
+        private_dir(self.state_dir)
+        private_dir(self.vms_dir)
         self._closed = False
         for vm_id in sorted(os.listdir(self.vms_dir)):
             if vm_id in self._vms:
@@ -316,6 +326,7 @@ class QemuDriver:
             state=vm.state,
             pid=vm.pid if running else None,
             vnc_display=vm.record.vnc_display,
+            vnc_password=vm.record.vnc_password if vm.record.vnc_display is not None else None,
             probe_host_port=vm.record.probe_host_port,
             ip=GUEST_IP if vm.spec.image is not None else None,
             labels=dict(vm.spec.labels),
@@ -382,12 +393,12 @@ class QemuDriver:
             if vm is not None:
                 return self._info(vm)
             vm_dir = self._vm_dir(spec.vm_id)
-            os.makedirs(self.vms_dir, exist_ok=True)
+            private_dir(self.vms_dir)
             try:
-                os.mkdir(vm_dir)
+                os.mkdir(vm_dir, DIR_MODE)
             except FileExistsError:
                 shutil.rmtree(vm_dir, ignore_errors=True)  # a partial create without spec.json
-                os.mkdir(vm_dir)
+                os.mkdir(vm_dir, DIR_MODE)
             rec = Record(spec=spec, created_at=time.time())
             vm = VM(vm_id=spec.vm_id, dir=vm_dir, record=rec)
             async with vm.lock:
@@ -408,6 +419,7 @@ class QemuDriver:
             owner = vnc_owner(vm.spec)
             vm.record.vnc_display = self.displays.reserve(owner)
             vm.record.vnc_owner = owner
+            vm.record.vnc_password = new_vnc_password()  # the display's, for this VM alone
 
     def _release_display(self, vm: VM) -> None:
         if vm.record.vnc_display is not None and vm.record.vnc_owner:
@@ -463,8 +475,9 @@ class QemuDriver:
             if vm.state == "exited" or not self._qemu.alive(vm):
                 raise RuntimeFailure(f"snapshot {vm_id}: VM is not running")
             t0 = time.monotonic()
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            private_dir(os.path.dirname(dest))
             part = f"{dest}.part"
+            private_file(part)  # guest RAM: the migration's ``cat >`` keeps this mode
             await self._migration.save(vm, part)
             await self._qemu.terminate(vm)
             self._mark_exited(vm, None)
@@ -493,7 +506,8 @@ class QemuDriver:
                 await self.remove(spec.vm_id)
             vm_dir = self._vm_dir(spec.vm_id)
             shutil.rmtree(vm_dir, ignore_errors=True)
-            os.makedirs(vm_dir)
+            private_dir(self.vms_dir)
+            os.mkdir(vm_dir, DIR_MODE)
             vm = VM(vm_id=spec.vm_id, dir=vm_dir, record=Record(spec=spec, created_at=time.time()))
             async with vm.lock:
                 try:

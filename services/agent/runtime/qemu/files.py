@@ -5,13 +5,50 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 from collections.abc import Iterator
+
+# What the driver keeps is the guest's: its disk, its RAM (snapshots), its console, its record
+# (with the VNC password). Files are the agent user's alone, directories too.
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+def private_dir(path: str) -> None:
+    """``path`` (and missing parents) as a directory only the agent user may enter."""
+    os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+    if os.stat(path).st_mode & 0o777 != DIR_MODE:
+        os.chmod(path, DIR_MODE)
+
+
+def private_file(path: str) -> None:
+    """``path`` exists and is readable by the agent user alone (created empty if missing), so a
+    process that opens it for writing (QEMU's serial/debugcon files, a migration's ``cat >``)
+    keeps that mode."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)
+    finally:
+        os.close(fd)
+
+
+def open_private(path: str, flags: int) -> int:
+    """``os.open`` of a file created ``FILE_MODE`` (an existing one is made so)."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+    os.fchmod(fd, FILE_MODE)
+    return fd
+
+
+def copy_private(src: str, dst: str) -> None:
+    """Copy ``src`` to ``dst``, which is ``FILE_MODE`` from its first byte."""
+    with open(src, "rb") as fin, os.fdopen(open_private(dst, os.O_WRONLY | os.O_TRUNC), "wb") as fout:
+        shutil.copyfileobj(fin, fout, 1 << 20)
 
 
 def write_atomic(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
+    with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_TRUNC), "wb") as f:
         f.write(data)
     os.replace(tmp, path)
 

@@ -4,7 +4,7 @@ QMP socket bound by the driver and handed over as a listening fd, and the mechan
 
 # QEMU must not be an asyncio subprocess (asyncio kills its children when their transport is
 # closed), so it is fork/exec'd from the loop; record and pidfile reads are sub-millisecond. Hence
-# ruff: noqa: ASYNC109, ASYNC220, ASYNC230
+# ruff: noqa: ASYNC109, ASYNC220
 
 from __future__ import annotations
 
@@ -25,7 +25,16 @@ from qemu.qmp.protocol import Runstate
 
 from ..base import Inconclusive, RuntimeFailure, VMSpec, VMState
 from .disks import overlay
-from .files import image_files, is_our_qemu, short_path, tail, write_atomic
+from .files import (
+    FILE_MODE,
+    image_files,
+    is_our_qemu,
+    open_private,
+    private_file,
+    short_path,
+    tail,
+    write_atomic,
+)
 
 log = logging.getLogger("vmfence.agent.runtime.qemu")
 
@@ -37,6 +46,7 @@ class Record(msgspec.Struct):
     accel: str = "tcg"
     vnc_display: int | None = None
     vnc_owner: str | None = None
+    vnc_password: str | None = None  # set over QMP at every launch: QEMU keeps it in memory only
     probe_host_port: int | None = None
     exit_code: int | None = None
     exit_signal: int | None = None
@@ -109,6 +119,7 @@ class Qemu:
         kernel_append: str,
         tcg_tb_size_mib: int,
         nic_model: str,
+        vnc_listen: str = "127.0.0.1",
     ) -> None:
         self.qemu_binary = binary
         self.machine = machine
@@ -118,6 +129,7 @@ class Qemu:
         self.kernel_append = kernel_append
         self.tcg_tb_size_mib = tcg_tb_size_mib
         self.nic_model = nic_model
+        self.vnc_listen = vnc_listen
 
     @staticmethod
     def save_record(vm: VM) -> None:
@@ -149,7 +161,9 @@ class Qemu:
                 netdev += f",hostfwd=tcp:127.0.0.1:{vm.record.probe_host_port}-:{spec.probe_port}"
             args += ["-netdev", netdev, "-device", f"{self.nic_model},netdev=net0,romfile="]
         if spec.vnc and vm.record.vnc_display is not None:
-            args += ["-vnc", f"127.0.0.1:{vm.record.vnc_display}"]
+            # password=on: nobody gets in until launch sets the VM's password over QMP
+            host = f"[{self.vnc_listen}]" if ":" in self.vnc_listen else self.vnc_listen
+            args += ["-vnc", f"{host}:{vm.record.vnc_display},password=on"]
         if spec.image is not None:
             files = image_files(spec.image)
             if files is None:
@@ -182,14 +196,17 @@ class Qemu:
         for stale in (sock_path, os.path.join(vm.dir, "qemu.pid")):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale)
+        for log_file in ("serial.log", "firmware.log"):  # QEMU opens them and keeps their mode
+            private_file(os.path.join(vm.dir, log_file))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             with short_path(sock_path) as p:
                 listener.bind(p)
+                os.chmod(p, FILE_MODE)  # the monitor is the VM: the agent user's alone
             listener.listen(4)
             fd = listener.fileno()
             args = self.command_line(vm, accel, incoming, qmp_fd=fd)
-            with open(os.path.join(vm.dir, "qemu.log"), "ab") as errlog:
+            with os.fdopen(open_private(os.path.join(vm.dir, "qemu.log"), os.O_WRONLY | os.O_APPEND), "ab") as errlog:
                 proc = subprocess.Popen(
                     args,
                     stdin=subprocess.DEVNULL,
@@ -205,6 +222,10 @@ class Qemu:
         vm.state = "creating"
         try:
             await asyncio.wait_for(self.connect(vm), self.start_timeout)
+            if vm.spec.vnc and vm.record.vnc_display is not None:
+                if not vm.record.vnc_password:
+                    raise RuntimeFailure(f"{vm.vm_id}: VNC display without a password")
+                await self.qmp(vm, "change-vnc-password", {"password": vm.record.vnc_password})
             if not incoming:
                 await self._wait_status(vm, ("running",), self.start_timeout)
                 vm.state = "running"
