@@ -258,8 +258,6 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "ledger-claim-takes-over", LEDGER_PY,
-        "        if (raw[0], raw[1], int(raw[2])) == (vm_id, owner.uid, owner.epoch):\n"
-        "            return\n"
         '        raise ReservationConflict(f"{kind} {resource} is held by {raw[0]}/{raw[1]}/{raw[2]}")\n',
         "        await db.execute(\"DELETE FROM reservations WHERE kind = ? AND resource = ?\", (kind, resource))\n",
         "rule 9: a reservation another owner holds is never claimed (a successor never gets a "

@@ -39,6 +39,8 @@ from services.testbed.mutant_catalogue import MUTANTS, SAMPLE, Mutant
 REPO = Path(__file__).resolve().parents[2]
 MUTANT_TIMEOUT_S = 600.0  # one mutant's test run; a hang counts as killed (and is reported so)
 BASELINE_TIMEOUT_S = 900.0
+NOT_SOURCE = (".git", ".venv", "build", ".vmfence", "__pycache__", "*.egg-info", ".hypothesis", ".pytest_cache",
+              ".mypy_cache", ".ruff_cache")
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
 
 
@@ -126,7 +128,13 @@ def copy_repository(root: Path, dest: Path, rev: str | None = None) -> None:
         with tarfile.open(fileobj=BytesIO(_git(root, "archive", "--format=tar", rev))) as tar:
             tar.extractall(dest, filter="data")
         return
-    for raw in _git(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard").split(b"\0"):
+    try:
+        listed = _git(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard").split(b"\0")
+    except (OSError, subprocess.CalledProcessError):
+        # not a git checkout (an unpacked source tree): everything but what .gitignore names
+        shutil.copytree(root, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*NOT_SOURCE))
+        return
+    for raw in listed:
         if not raw:
             continue
         rel = raw.decode()
