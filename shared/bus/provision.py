@@ -1,4 +1,13 @@
-"""Creating and checking the vmfence streams and KV buckets (idempotent, retried while a cluster forms)."""
+"""Creating and checking the vmfence streams and KV buckets (idempotent, retried while a cluster forms).
+
+Every stream and bucket is bounded in bytes and per message (:class:`StreamsConfig`, defaults named
+below; docs/resources.md, "Stream limits", says what happens at each bound). The event streams
+(inputs, log, commands) refuse a publish at their byte bound (``discard: new``) rather than drop
+what is stored: nothing acknowledged is ever lost to make room, the publisher gets an error and
+retries (back-pressure). Dead letters are diagnostics: there the oldest go first, and each source
+(``<prefix>.dlq.<source>``) keeps at most a bounded number, so one flooding publisher cannot evict
+every other's.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +28,28 @@ from shared.subjects import Subjects
 log = logging.getLogger(__name__)
 
 DAY_S = 86_400.0
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
 
+# Byte bounds of each stream and bucket (one replica's store; R3 stores each on three servers).
+# Together 14.1 GiB: within the 20 GB max_file_store of deploy/nats (the server reserves them).
+IN_MAX_BYTES = 4 * GIB  # a week of inputs at the default max age
+LOG_MAX_BYTES = 8 * GIB  # the audit log: at the bound appends are refused, never an entry dropped
+CMD_MAX_BYTES = 1 * GIB  # a work queue: only unacknowledged commands are stored
+DLQ_MAX_BYTES = 1 * GIB
+LEASES_MAX_BYTES = 16 * MIB  # one small value per partition (and the fleet lease)
+HOSTS_MAX_BYTES = 64 * MIB  # one heartbeat per host
+# Per-message bounds: none below what its writers may legitimately send (an over-size publish is
+# refused at every attempt). 1 MiB is deploy/nats's max_payload; the schema's own bounds
+# (shared/fence/schema.py MAX_*_BYTES) sit below these and are checked before a publish.
+IN_MAX_MSG_BYTES = 1 * MIB
+LOG_MAX_MSG_BYTES = 1 * MIB
+CMD_MAX_MSG_BYTES = 256 * KIB
+DLQ_MAX_MSG_BYTES = 1 * MIB
+LEASES_MAX_MSG_BYTES = 4 * KIB
+HOSTS_MAX_MSG_BYTES = 64 * KIB
+DLQ_MAX_MSGS_PER_SOURCE = 100_000  # dead letters kept per <prefix>.dlq.<source> (oldest go first)
 
 
 class ProvisionFailed(Exception):
@@ -43,6 +73,24 @@ class StreamsConfig(msgspec.Struct, frozen=True, kw_only=True):
     duplicate_window_s: float = 120.0
     lease_ttl_s: float = 10.0
     hosts_ttl_s: float = 15.0
+    in_max_bytes: int = IN_MAX_BYTES
+    log_max_bytes: int = LOG_MAX_BYTES
+    cmd_max_bytes: int = CMD_MAX_BYTES
+    dlq_max_bytes: int = DLQ_MAX_BYTES
+    leases_max_bytes: int = LEASES_MAX_BYTES
+    hosts_max_bytes: int = HOSTS_MAX_BYTES
+    in_max_msg_bytes: int = IN_MAX_MSG_BYTES
+    log_max_msg_bytes: int = LOG_MAX_MSG_BYTES
+    cmd_max_msg_bytes: int = CMD_MAX_MSG_BYTES
+    dlq_max_msg_bytes: int = DLQ_MAX_MSG_BYTES
+    leases_max_msg_bytes: int = LEASES_MAX_MSG_BYTES
+    hosts_max_msg_bytes: int = HOSTS_MAX_MSG_BYTES
+    dlq_max_msgs_per_source: int = DLQ_MAX_MSGS_PER_SOURCE
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            if name.endswith(("_max_bytes", "_max_msg_bytes", "_per_source")) and getattr(self, name) < 1:
+                raise ValueError(f"StreamsConfig.{name} must be at least 1 (every stream is bounded)")
 
 
 def _storage(cfg: StreamsConfig) -> api.StorageType:
@@ -56,14 +104,17 @@ def stream_configs(subjects: Subjects, cfg: StreamsConfig) -> list[api.StreamCon
         "storage": _storage(cfg),
         "num_replicas": cfg.replicas,
         "duplicate_window": cfg.duplicate_window_s,
-        "discard": api.DiscardPolicy.OLD,
     }
+    keep = api.DiscardPolicy.NEW  # at the byte bound refuse the publish, never drop what is stored
     return [
         api.StreamConfig(
             name=subjects.stream_in,
             subjects=[subjects.in_all],
             retention=api.RetentionPolicy.LIMITS,
             max_age=cfg.in_max_age_s,
+            max_bytes=cfg.in_max_bytes,
+            max_msg_size=cfg.in_max_msg_bytes,
+            discard=keep,
             allow_direct=True,
             metadata=dict(meta),
             **common,  # type: ignore[arg-type]
@@ -73,6 +124,9 @@ def stream_configs(subjects: Subjects, cfg: StreamsConfig) -> list[api.StreamCon
             subjects=[subjects.log_all],
             retention=api.RetentionPolicy.LIMITS,
             max_age=cfg.log_max_age_s,
+            max_bytes=cfg.log_max_bytes,
+            max_msg_size=cfg.log_max_msg_bytes,
+            discard=keep,
             allow_direct=True,
             metadata=dict(meta),
             **common,  # type: ignore[arg-type]
@@ -82,6 +136,9 @@ def stream_configs(subjects: Subjects, cfg: StreamsConfig) -> list[api.StreamCon
             subjects=[subjects.cmd_all],
             retention=api.RetentionPolicy.WORK_QUEUE,
             max_age=cfg.cmd_max_age_s,
+            max_bytes=cfg.cmd_max_bytes,
+            max_msg_size=cfg.cmd_max_msg_bytes,
+            discard=keep,
             **common,  # type: ignore[arg-type]
         ),
         api.StreamConfig(
@@ -89,13 +146,20 @@ def stream_configs(subjects: Subjects, cfg: StreamsConfig) -> list[api.StreamCon
             subjects=[subjects.dlq_all],
             retention=api.RetentionPolicy.LIMITS,
             max_age=cfg.dlq_max_age_s,
+            max_bytes=cfg.dlq_max_bytes,
+            max_msg_size=cfg.dlq_max_msg_bytes,
+            max_msgs_per_subject=cfg.dlq_max_msgs_per_source,  # per source: one flood evicts only its own
+            discard=api.DiscardPolicy.OLD,  # diagnostics: the oldest dead letters go first
             **common,  # type: ignore[arg-type]
         ),
     ]
 
 
-def kv_stream_config(bucket: str, ttl_s: float, cfg: StreamsConfig) -> api.StreamConfig:
-    """A KV bucket's backing stream, as nats-py's create_key_value builds it (history 1, TTL)."""
+def kv_stream_config(
+    bucket: str, ttl_s: float, cfg: StreamsConfig, *, max_bytes: int, max_msg_bytes: int
+) -> api.StreamConfig:
+    """A KV bucket's backing stream, as nats-py's create_key_value builds it (history 1, TTL),
+    bounded in bytes (a put past the bound is refused: discard new) and per value."""
     return api.StreamConfig(
         name=f"KV_{bucket}",
         subjects=[f"$KV.{bucket}.>"],
@@ -108,6 +172,8 @@ def kv_stream_config(bucket: str, ttl_s: float, cfg: StreamsConfig) -> api.Strea
         max_age=ttl_s,
         max_consumers=-1,
         max_msgs=-1,
+        max_bytes=max_bytes,
+        max_msg_size=max_msg_bytes,
         max_msgs_per_subject=1,
         num_replicas=cfg.replicas,
         storage=_storage(cfg),
@@ -174,5 +240,9 @@ async def provision(js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig
     for sc in stream_configs(subjects, cfg):
         check = cfg.partitions if sc.name in (subjects.stream_in, subjects.stream_log) else None
         await _ensure_stream_retrying(js, sc, check)
-    await _ensure_stream_retrying(js, kv_stream_config(subjects.kv_leases, cfg.lease_ttl_s, cfg), None)
-    await _ensure_stream_retrying(js, kv_stream_config(subjects.kv_hosts, cfg.hosts_ttl_s, cfg), None)
+    leases = kv_stream_config(subjects.kv_leases, cfg.lease_ttl_s, cfg, max_bytes=cfg.leases_max_bytes,
+                              max_msg_bytes=cfg.leases_max_msg_bytes)
+    hosts = kv_stream_config(subjects.kv_hosts, cfg.hosts_ttl_s, cfg, max_bytes=cfg.hosts_max_bytes,
+                             max_msg_bytes=cfg.hosts_max_msg_bytes)
+    await _ensure_stream_retrying(js, leases, None)
+    await _ensure_stream_retrying(js, hosts, None)
