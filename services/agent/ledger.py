@@ -253,11 +253,12 @@ class Ledger:
                 await db.execute("BEGIN IMMEDIATE")
                 try:
                     yield db
+                    await db.execute("COMMIT")
                 except BaseException:
-                    if db.in_transaction:
-                        await db.execute("ROLLBACK")
+                    if db.in_transaction:  # a failed COMMIT (disk full) leaves it open: never reused
+                        with contextlib.suppress(Exception):
+                            await db.execute("ROLLBACK")
                     raise
-                await db.execute("COMMIT")
             except Exception as e:
                 if not is_write_failure(e):
                     raise

@@ -13,6 +13,7 @@ import asyncio
 import json
 import sqlite3
 from collections.abc import Callable
+from pathlib import Path
 
 import aiohttp
 import msgspec
@@ -21,6 +22,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.agent.config import AgentConfig
+from services.agent.ledger import Ledger
 from services.agent.runtime import VMInfo
 from services.agent.runtime.sim import SimDriver
 from services.agent.service import Agent, heals, retry_delay
@@ -167,3 +169,28 @@ async def test_error_that_will_not_heal_fails_at_first_delivery(
 )
 def test_which_errors_may_heal(error: Exception, heal: bool) -> None:
     assert heals(error) is heal
+
+
+async def test_a_full_ledger_is_unwritable_until_it_has_room(tmp_path: Path) -> None:
+    """SQLITE_FULL ("database or disk is full") from a real size limit: the write fails, the ledger
+    says it is not writable, nothing half-done stays open, and once there is room it heals."""
+    ledger = Ledger(str(tmp_path / "ledger.sqlite3"))
+    await ledger.open()
+    try:
+        async with ledger.db.execute("PRAGMA page_count") as cur:
+            row = await cur.fetchone()
+        assert row is not None
+        await ledger.db.execute(f"PRAGMA max_page_count = {int(row[0])}")  # the disk is full now
+        f = fence(1)
+        big = CommandResult(fence=f, command_id="c-big", op="create", host=HOST, vm_id="v-1", outcome="failed",
+                            error="x" * 200_000)
+        with pytest.raises(sqlite3.OperationalError, match="full"):
+            await ledger.record(big)
+        assert not ledger.writable and ledger.write_error is not None and "full" in ledger.write_error
+        assert not ledger.db.in_transaction
+        await ledger.db.execute("PRAGMA max_page_count = 1073741823")  # room again
+        assert await ledger.probe_write() and ledger.writable
+        await ledger.record(big)
+        assert await ledger.result("c-big") == big
+    finally:
+        await ledger.close()
