@@ -29,7 +29,14 @@ from rich.console import Console
 from rich.table import Table
 
 from services.testbed.natsserver import write_private
-from services.testbed.stack import OPERATOR_USER, LocalStack, pick_runtime
+from services.testbed.stack import (
+    OPERATOR_USER,
+    LocalStack,
+    load_kubeconfig,
+    pick_runtime,
+    private_append,
+    private_dir,
+)
 from shared.bus.connect import Bus
 from shared.bus.logstream import audit_records, read_log
 from shared.tasks import run_main
@@ -263,7 +270,8 @@ def _quiet_service_logs(path: Path) -> None:
 
     from shared.logs import JsonFormatter
 
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)  # the services' log names pods, hosts and VMs: its user's only
+    os.close(private_append(path))
     handler = logging.FileHandler(path)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
@@ -348,12 +356,19 @@ def _table(result: dict[str, Any]) -> Table:
     return t
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def one_line(exc: BaseException) -> str:
+    """An ordinary failure as the one line the user sees (a log tail, if any, is in the files)."""
+    text = str(exc).strip()
+    if isinstance(exc, OSError) and exc.filename is not None:
+        text = f"{exc.filename}: {exc.strerror or text}"
+    return (text.splitlines() or [type(exc).__name__])[0]
 
+
+def run_demo(args: argparse.Namespace) -> int:
     try:
         result = run_main(demo(args))
-    except (TimeoutError, RuntimeError) as exc:
-        print(f"vmfence demo: {exc}", file=sys.stderr)
+    except (TimeoutError, RuntimeError, OSError) as exc:  # StackBusy, StackConfigError, NatsServerError …
+        print(f"vmfence demo: {one_line(exc)}", file=sys.stderr)
         return 1
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
@@ -370,6 +385,8 @@ def run_demo(args: argparse.Namespace) -> int:
 async def up(args: argparse.Namespace) -> int:
     runtime = pick_runtime(args.runtime)
     console = Console()
+    if args.kubeconfig is not None:
+        await load_kubeconfig(args.kubeconfig)  # an ordinary mistake, found before anything is made
     stack = LocalStack(Path(args.dir), runtime=runtime, partitions=16, kubeconfig=args.kubeconfig)
     stack.lock()  # StackBusy (one line) before anything of another stack's is touched
     _quiet_service_logs(Path(args.dir).parent / f"{Path(args.dir).name}-logs" / "services.log")
@@ -393,7 +410,8 @@ async def up(args: argparse.Namespace) -> int:
         console.print("Ctrl-C stops everything and removes the VMs this stack created.")
         await stop.wait()
     finally:
-        console.print("stopping…")
+        if stack.nats is not None:  # something was started
+            console.print("stopping…")
         await stack.stop()
         if recorded:  # never another stack's record
             with contextlib.suppress(FileNotFoundError):
@@ -408,9 +426,8 @@ def _copy_file(src: str, dest: Path) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-
     try:
         return int(run_main(up(args)))
-    except RuntimeError as exc:
-        print(f"vmfence up: {exc}", file=sys.stderr)
+    except (TimeoutError, RuntimeError, OSError) as exc:  # StackBusy, StackConfigError, NatsServerError …
+        print(f"vmfence up: {one_line(exc)}", file=sys.stderr)
         return 1

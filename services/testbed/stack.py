@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
+import yaml
 from kubernetes_asyncio import client, config
+from kubernetes_asyncio.config.config_exception import ConfigException
 
 from services.agent.config import AgentConfig
 from services.agent.service import Agent
@@ -58,6 +60,31 @@ PRIVATE_FILE = 0o600
 
 class StackBusy(RuntimeError):
     """Another live stack holds the run directory; the message is the one line the user sees."""
+
+
+class StackConfigError(RuntimeError):
+    """An ordinary mistake in what the stack was given (a kubeconfig that is missing or not one);
+    the message is the one line the user sees, found before anything is started."""
+
+
+def check_kubeconfig_file(path: str) -> None:
+    """StackConfigError (one line) unless ``path`` is a readable file."""
+    if not os.path.exists(path):
+        raise StackConfigError(f"kubeconfig {path}: no such file")
+    if not os.path.isfile(path) or not os.access(path, os.R_OK):
+        raise StackConfigError(f"kubeconfig {path}: not a readable file")
+
+
+async def load_kubeconfig(path: str) -> client.Configuration:
+    """The client configuration of a kubeconfig file, or StackConfigError in one line."""
+    check_kubeconfig_file(path)
+    cfg = client.Configuration()
+    try:
+        await config.load_kube_config(config_file=path, client_configuration=cfg)
+    except (ConfigException, yaml.YAMLError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise StackConfigError(f"kubeconfig {path}: not a usable kubeconfig ({first})") from None
+    return cfg
 
 
 class DirLock:
@@ -211,6 +238,7 @@ class LocalStack:
     # ------------------------------------------------------------------------- start
     async def start(self, on_status: Callable[[str, str], None] = lambda name, state: None) -> None:
         self.lock()
+        cluster = await load_kubeconfig(self.kubeconfig) if self.kubeconfig is not None else None  # before any start
         if self.fresh:
             self._lock.clear_directory()
         private_dir(self.root)
@@ -239,9 +267,7 @@ class LocalStack:
             on_status("apiserver", self.apiserver.url)
         else:
             self.kubeconfig_path = self.kubeconfig
-        cfg = client.Configuration()
-        await config.load_kube_config(config_file=self.kubeconfig_path, client_configuration=cfg)
-        self.api = client.ApiClient(cfg)
+        self.api = client.ApiClient(cluster or await load_kubeconfig(self.kubeconfig_path))
         for i in range(self.reconcilers):
             name = f"reconciler-{i + 1}"
             self.recs[name] = ReconcilerProc(name, free_port(), self.root / "logs" / f"{name}.log")
@@ -253,7 +279,12 @@ class LocalStack:
         self.watcher_bus = await self.open_bus("watcher", "vmfence-watcher", url=self.urls["watcher"])
         self.watcher = Watcher(self.api, self.watcher_bus.js, self.subjects)
         self._tasks.append(asyncio.create_task(self.watcher.run(), name="watcher"))
-        await asyncio.wait_for(self.watcher.ready.wait(), READY_TIMEOUT_S)
+        try:
+            await asyncio.wait_for(self.watcher.ready.wait(), READY_TIMEOUT_S)
+        except TimeoutError:
+            where = self.apiserver.url if self.apiserver is not None else f"the cluster of {self.kubeconfig_path}"
+            raise RuntimeError(f"the watcher could not list pods within {READY_TIMEOUT_S:.0f}s: "
+                               f"is {where} reachable?") from None
         on_status("watcher", "ready")
         for name in self.recs:
             await self.wait_reconciler_ready(name)
