@@ -22,7 +22,9 @@ from services.reconciler.kube import KubeGateway
 from shared.bus.append import publish_input
 from shared.fence.keys import Key
 from shared.fence.schema import (
+    MAX_COMMAND_BYTES,
     Commanded,
+    CommandResult,
     ConfirmRequested,
     Input,
     TimerArmed,
@@ -150,7 +152,16 @@ class EffectRunner:
         kind = type(work).__name__
         match work:
             case Commanded(command=cmd):
-                await publish_input(self.js, self.subjects.command(cmd.host), encode(cmd), msg_id=cmd.id)
+                payload = encode(cmd)
+                if len(payload) > MAX_COMMAND_BYTES:
+                    # never sendable: it ends as a failed result, and the kernel decides (a create
+                    # backs off, a remove is retried) — never a publish retried every second
+                    log.error("command too large (%d bytes); answered failed", len(payload), extra={"key": str(key)})
+                    why = f"command too large: {len(payload)} bytes, above the bound of {MAX_COMMAND_BYTES}"
+                    failed = CommandResult(cmd.fence, cmd.id, cmd.op, cmd.host, cmd.vm_id, "failed", error=why)
+                    await self._outcome(key, failed, f"{key}|{cmd.id}|too-large")
+                    return
+                await publish_input(self.js, self.subjects.command(cmd.host), payload, msg_id=cmd.id)
                 kind = f"command_{cmd.op}"
             case ConfirmRequested(request=req):
                 read = await self.gateway.confirm(key, req)

@@ -30,6 +30,8 @@ from shared.bus.read import last_on_subject, read_stream, read_subject
 from shared.fence.decide import DecideEnv, decide, rebuild
 from shared.fence.keys import Key
 from shared.fence.schema import (
+    MAX_ENTRY_BYTES,
+    MAX_INPUT_BYTES,
     Commanded,
     ConfirmedRead,
     ConfirmRequested,
@@ -61,6 +63,11 @@ MAX_RACE_RETRIES = 8  # lost races on one input before giving up (and not acking
 FETCH_TIMEOUT_S = 1.0
 CONFIRM_INLINE_TIMEOUT_S = 5.0
 CONSUMER_RESTART_S = 0.5
+H_TRUNCATED = "Vmfence-Truncated"  # on a dead letter cut to MAX_INPUT_BYTES: the original's length
+
+
+class EntryTooLarge(Exception):
+    """The log entry of an input's decisions exceeds MAX_ENTRY_BYTES: it can never be appended."""
 
 
 def _input_kind(inp: Input) -> str:
@@ -337,6 +344,10 @@ class Partition:
             sem.release()
 
     async def handle(self, msg: Msg) -> None:
+        if len(msg.data) > MAX_INPUT_BYTES:
+            size = len(msg.data)
+            await self._dead_letter(msg, f"input too large: {size} bytes, above the bound of {MAX_INPUT_BYTES}")
+            return
         try:
             inp = decode_input(msg.data)
             key = str(self.subjects.key_of_in_subject(msg.subject))
@@ -383,9 +394,13 @@ class Partition:
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
         log.warning("dead letter: %s", reason, extra={"partition": self.p})
         metrics.DEAD_LETTERS.labels(reason.split(":")[0]).inc()
+        data, headers = msg.data, dict(msg.headers or {})
+        if len(data) > MAX_INPUT_BYTES:
+            # the dead letter must fit the server too: a prefix, and how long the original was
+            data, headers[H_TRUNCATED] = data[:MAX_INPUT_BYTES], str(len(data))
         await dead_letter(
             self.js, self.subjects, source="reconciler", reason=reason, subject=msg.subject,
-            data=msg.data, headers=msg.headers,
+            data=data, headers=headers,
         )
         self.stats["dead_lettered"] += 1
         self.stats[f"dead_lettered:{reason.split(':')[0]}"] += 1
@@ -408,6 +423,15 @@ class Partition:
                 return False
             try:
                 await self._append(slot, decisions, kind)
+            except EntryTooLarge as big:
+                # never appendable, so never retried: parked with its reason, and the key goes on
+                log.error("input's entry too large; not decided: %s", big, extra={"key": key, "partition": self.p})
+                metrics.INPUTS.labels(kind, "too_large").inc()
+                self.stats["too_large"] += 1
+                if msg is None:
+                    return True  # an outcome of ours: its effect stays in the outbox (re-derived)
+                await self._dead_letter(msg, f"entry too large: {big}")
+                return False  # acked by the dead letter
             except LostRace as race:
                 metrics.LOST_RACES.inc()
                 self.stats["lost_races"] += 1
@@ -432,6 +456,8 @@ class Partition:
         # the wall-clock time is for people reading the log (rule 12: no decision depends on it)
         entry = LogEntry(key, slot.state.n + 1, decisions, input=kind, writer=self.writer, at=time.time())
         payload = encode(entry)
+        if len(payload) > MAX_ENTRY_BYTES:
+            raise EntryTooLarge(f"{len(payload)} bytes, above the bound of {MAX_ENTRY_BYTES}")
         floor = self._max_seen
         self._inflight_floors[floor] += 1
         start = time.perf_counter()
@@ -444,6 +470,8 @@ class Partition:
                 msg_id=entry_msg_id(key, entry.n, self.writer, payload),
                 stream=self.subjects.stream_log,
             )
+        except nats.errors.MaxPayloadError as exc:  # a server configured below MAX_ENTRY_BYTES
+            raise EntryTooLarge(f"{len(payload)} bytes, refused by the server: {exc}") from exc
         finally:
             self._inflight_floors[floor] -= 1
             if self._inflight_floors[floor] <= 0:

@@ -88,6 +88,7 @@ import msgspec
 from shared.fence.schema import (
     MAX_EPOCH,
     MAX_EPOCH_LEAP,
+    MAX_OBJECT_BYTES,
     NO_INCARNATION,
     SURVEY_VM_ID,
     Admitted,
@@ -226,6 +227,7 @@ def _digest(inp: Input) -> str:
 
 def decide(state: KeyState, inp: Input, env: DecideEnv | None = None) -> list[Decision]:
     """Decisions for one input. ``state`` is not modified (a copy is folded)."""
+    inp = within_bounds(inp)
     run = _Run(_copy(state), env or DecideEnv(), inp)
     bad = epoch_out_of_bounds(state, inp)
     if bad is not None:
@@ -244,6 +246,22 @@ def decide(state: KeyState, inp: Input, env: DecideEnv | None = None) -> list[De
     _INPUTS[type(inp)](run, inp)
     _sync_status(run)
     return run.out
+
+
+_size_encoder = msgspec.json.Encoder()
+
+
+def within_bounds(inp: Input) -> Input:
+    """An observation or consistent read whose encoding exceeds ``MAX_OBJECT_BYTES`` (a huge
+    annotation: copies of its spec in one entry would pass the server's max payload, and the input
+    would be redelivered forever) is decided as an invalid spec: a Warning Event and a condition say
+    why, nothing of it is logged, and the key goes on."""
+    if isinstance(inp, Observed | ConfirmedRead):
+        size = len(_size_encoder.encode(inp))
+        if size > MAX_OBJECT_BYTES:
+            why = f"the object's vmfence fields take {size} bytes, above the bound of {MAX_OBJECT_BYTES}"
+            return msgspec.structs.replace(inp, spec=Spec(), invalid=why)
+    return inp
 
 
 _copier = msgspec.msgpack.Encoder()

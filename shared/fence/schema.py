@@ -29,6 +29,16 @@ MAX_EPOCH = 2**53 - 1
 # ``Skipped(epoch_out_of_bounds)``, never a rebuild, a survey or a re-adoption at its epoch.
 MAX_EPOCH_LEAP = 64
 
+# Size bounds, in bytes of a message's JSON. nats-server refuses any message above its max_payload
+# (1 MiB in deploy/nats), at every attempt: an input, entry or command that large would be retried
+# forever. Each bound is well below it, and what happens above it is designed:
+MAX_INPUT_BYTES = 64 * 1024  # one input on VMFENCE_IN: above it, dead-lettered (a truncated copy)
+MAX_OBJECT_BYTES = 16 * 1024  # an observation or consistent read: above it, decided as an invalid
+#   spec (the object gets a Warning Event and the SpecValid=False condition; its VM keeps its spec)
+MAX_ENTRY_BYTES = 512 * 1024  # one log entry (every decision of one input): above it, the input is
+#   dead-lettered with its reason and the key goes on
+MAX_COMMAND_BYTES = 64 * 1024  # one command: above it, never sent; it ends as a failed result
+
 RestartPolicy = Literal["Always", "OnFailure", "Never"]
 RecreatePolicy = Literal["replace", "adopt"]
 Phase = Literal["Pending", "Running", "Succeeded", "Failed"]

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 from nats.aio.msg import Msg
 
+import services.reconciler.partition as partition_module
 from services.reconciler import metrics
 from services.reconciler.effects import EffectRunner
 from services.reconciler.kube import NullGateway
@@ -21,15 +22,21 @@ from shared.bus.read import read_stream
 from shared.fence.decide import DecideEnv, HostView
 from shared.fence.keys import Key
 from shared.fence.schema import (
+    MAX_COMMAND_BYTES,
+    MAX_INPUT_BYTES,
+    Command,
     Commanded,
     CommandResult,
     EvictionRequested,
     Fence,
+    Input,
+    Inventoried,
     Observed,
     Rebuilt,
     Skipped,
     Spec,
     VMGone,
+    WriteRequested,
     encode,
 )
 from shared.subjects import Subjects
@@ -153,3 +160,118 @@ def test_a_host_report_subject_names_its_key_and_its_sender() -> None:
         assert subjects.key_of_in_subject(subjects.report(key)) == key
         assert subjects.sender_of_in_subject(subjects.observation(key)) is None
     assert subjects.host_reports("rack1.host.b") == "vmfence.in.*.agent.rack1%2Ehost%2Eb.>"
+
+
+async def _until_admitted(part: Partition, key: Key) -> None:
+    await wait_until(lambda: str(key) in part.keys and part.keys[str(key)].state.cur is not None,
+                     f"the admission of {key}")
+
+
+async def test_a_read_too_large_to_log_gets_a_warning_and_the_key_goes_on(bus: Bus) -> None:
+    gateway = NullGateway()
+    huge, probe = Key("pod", "default", "huge"), Key("pod", "default", "probe")
+    gateway.objects[str(huge)] = ("uid-h", 1, Spec(image="x" * 600_000))  # the object's read is huge
+    gateway.objects[str(probe)] = ("uid-p", 1, Spec())
+    part = _partition(bus, gateway)
+    task = asyncio.create_task(part.run())
+    try:
+        await observe(bus, huge, "uid-h", 1)
+        await _until_admitted(part, huge)
+        await observe(bus, probe, "uid-p", 1)
+        await _until_admitted(part, probe)
+        cur = part.keys[str(huge)].state.cur
+        assert cur is not None and cur.invalid is not None and cur.phase == "Failed"
+        # what the pod is told (the effects that write it are the log's outbox)
+        writes = [d.write for _, e in await log_entries(bus) if e.key == str(huge) for d in e.decisions
+                  if isinstance(d, WriteRequested)]
+        warnings = [w for w in writes if w.verb == "event" and w.event_type == "Warning"]
+        assert warnings and warnings[0].event_reason == "InvalidSpec"
+        assert "above the bound" in (warnings[0].message or "")
+        assert any(w.verb == "status" and w.status is not None and w.status.invalid for w in writes)
+        assert part.stats["dead_lettered"] == 0 and part.stats["too_large"] == 0
+    finally:
+        part.held = False
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_an_input_above_the_bound_is_dead_lettered_truncated_and_the_partition_goes_on(bus: Bus) -> None:
+    gateway = NullGateway()
+    big, probe = Key("pod", "default", "big"), Key("pod", "default", "probe")
+    gateway.objects[str(probe)] = ("uid-p", 1, Spec())
+    part = _partition(bus, gateway)
+    task = asyncio.create_task(part.run())
+    try:
+        data = encode(Observed(str(big), "uid-b", 1, spec=Spec(image="y" * (MAX_INPUT_BYTES + 10))))
+        await bus.js.publish(bus.subjects.observation(big), data)
+        await observe(bus, probe, "uid-p", 1)
+        await _until_admitted(part, probe)
+        await wait_until(lambda: part.stats["dead_lettered"] >= 1, "the dead letter")
+        (dead,) = await _dead(bus)
+        headers = dead.headers or {}
+        assert headers.get("Vmfence-Reason", "").startswith("input too large")
+        assert headers.get("Vmfence-Truncated") == str(len(data)) and dead.data == data[:MAX_INPUT_BYTES]
+        assert str(big) not in part.keys or part.keys[str(big)].state.n == 0
+    finally:
+        part.held = False
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_an_entry_above_the_bound_is_dead_lettered_never_redelivered(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(partition_module, "MAX_ENTRY_BYTES", 4096)
+    gateway = NullGateway()
+    key, probe = Key("pod", "default", "many.vms"), Key("pod", "default", "probe")
+    gateway.objects[str(probe)] = ("uid-p", 1, Spec())
+    part = _partition(bus, gateway)
+    task = asyncio.create_task(part.run())
+    try:
+        # an agent reports a VM of an incarnation nobody knows, under a name long enough that the
+        # entry recording it (Discovered, a read request) passes the (lowered) entry bound
+        stray = Inventoried(Fence(str(key), "uid-x", 0), "host-a", "v" * 5000, "running")
+        await bus.js.publish(bus.subjects.host_report(key, "host-a"), encode(stray))
+        await observe(bus, probe, "uid-p", 1)
+        await _until_admitted(part, probe)
+        await wait_until(lambda: part.stats["dead_lettered"] >= 1, "the dead letter")
+        (dead,) = await _dead(bus)
+        assert (dead.headers or {}).get("Vmfence-Reason", "").startswith("entry too large")
+        assert part.stats["too_large"] == 1
+        assert str(key) not in {e.key for _, e in await log_entries(bus)}
+        info = await bus.js.consumer_info(bus.subjects.stream_in, "reconciler-p0")
+        assert info.num_ack_pending == 0 and info.num_redelivered == 0, "acked, never redelivered"
+    finally:
+        part.held = False
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_a_command_above_the_bound_is_never_sent_and_ends_as_a_failed_result(bus: Bus) -> None:
+    outcomes: list[tuple[str, Input]] = []
+
+    async def feed(key: str, inp: Input) -> bool:
+        outcomes.append((key, inp))
+        return True
+
+    runner = EffectRunner(bus.js, bus.subjects, NullGateway(), workers=1, feed=feed)
+    key = "default/big.cmd"
+    cmd = Command("c-1", "create", Fence(key, "uid-1", 1), "host-a", "vm-1",
+                  spec=Spec(image="z" * (MAX_COMMAND_BYTES + 1)))
+    task = asyncio.create_task(runner.run())
+    try:
+        runner.submit(key, Commanded(cmd))
+        await wait_until(lambda: bool(outcomes), "the command's outcome")
+        ((to, result),) = outcomes
+        assert to == key and isinstance(result, CommandResult)
+        assert (result.command_id, result.outcome) == ("c-1", "failed")
+        assert result.error is not None and result.error.startswith("command too large")
+        sent = [m async for m in read_stream(bus.js, bus.subjects.stream_cmd)]
+        assert sent == [], "a command the agent could never receive is not published"
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
