@@ -30,6 +30,7 @@ from shared.bus.read import last_on_subject, read_stream, read_subject
 from shared.fence.decide import DecideEnv, decide, rebuild
 from shared.fence.keys import Key
 from shared.fence.schema import (
+    ABSENT,
     MAX_ENTRY_BYTES,
     MAX_INPUT_BYTES,
     Commanded,
@@ -66,6 +67,24 @@ CONSUMER_RESTART_S = 0.5
 H_TRUNCATED = "Vmfence-Truncated"  # on a dead letter cut to MAX_INPUT_BYTES: the original's length
 
 
+# A bound VM that no inventory round of its live host has named for this long is inspected (a
+# re-check, rule 12: only the agent's not_found takes the VM-gone path). Three rounds at the agent's
+# default interval (60 s): the backstop for a partition that sees no other VM of that host, so never
+# sees its rounds complete.
+INVENTORY_STALE_S = 180.0
+INVENTORY_SWEEP_S = 30.0
+
+
+class _Round:
+    """One inventory round of one host as this partition saw it: the VMs the log bound there when
+    its first item arrived, and the VMs its items named."""
+
+    def __init__(self, round_id: str, expected: dict[str, str]) -> None:
+        self.round_id = round_id
+        self.expected = expected
+        self.seen: set[str] = set()
+
+
 class EntryTooLarge(Exception):
     """The log entry of an input's decisions exceeds MAX_ENTRY_BYTES: it can never be appended."""
 
@@ -90,6 +109,7 @@ class Partition:
         ack_wait_s: float = 10.0,
         max_ack_pending: int = 4096,
         fetch_batch: int = 256,
+        inventory_stale_s: float = INVENTORY_STALE_S,
     ) -> None:
         self.p = p
         self.js = js
@@ -109,6 +129,12 @@ class Partition:
         self._max_seen = 0  # highest log sequence this partition has folded
         self._inflight_floors: Counter[int] = Counter()
         self.stats: Counter[str] = Counter()
+        # what the log binds where (host -> key -> vm_id), kept beside the states after every
+        # append, so a host's inventory round can be compared with it without a scan of every key
+        self._bound_on: dict[str, dict[str, str]] = {}
+        self._rounds: dict[str, _Round] = {}  # host -> the inventory round last seen here
+        self.inventory_stale_s = inventory_stale_s
+        self._last_listed: dict[tuple[str, str], float] = {}  # (key, vm_id) -> when a round last named it
 
     # ----------------------------------------------------------------------------- loading
     async def load(self) -> None:
@@ -159,8 +185,9 @@ class Partition:
         # nothing loaded from the log shows whether it lost a tail before this load (no memory of
         # ours covers its end): every key surveys the hosts before the first VM it makes (_slot
         # does the same for keys first seen later: their whole log may have been lost)
-        for slot in self.keys.values():
+        for key, slot in self.keys.items():
             slot.state.unverified = True
+            self._index(key, slot.state)
         self._loaded = True
         # the outbox: effects decided but maybe not carried out before a crash or handover
         for key, slot in self.keys.items():
@@ -210,6 +237,7 @@ class Partition:
             fold_all(slot.state, entry.decisions)
             slot.state.n, slot.last_seq, slot.dirty = entry.n, msg.seq, True
             self._max_seen = max(self._max_seen, msg.seq)
+        self._index(key, slot.state)
         return floor if full else None
 
     async def _rows_ahead_of_log(self, rows: dict[str, tuple[KeyState, int]]) -> list[str]:
@@ -247,8 +275,9 @@ class Partition:
                 await asyncio.sleep(0)  # ~8 ms of packing at a time
         async with asyncio.TaskGroup() as tg:
             tail = tg.create_task(self._keep(self._tail_foreign, "log tail"))
+            sweep = tg.create_task(self._keep(self._sweep, "inventory sweep"))
             await self._keep(self._consume, "consumer")
-            await cancel_and_wait([tail], what="log tail")
+            await cancel_and_wait([tail, sweep], what="log tail")
 
     async def _keep(self, loop: Callable[[], Awaitable[None]], what: str) -> None:
         while self.held:
@@ -369,6 +398,7 @@ class Partition:
             await self._dead_letter(msg, f"wrong sender: {_input_kind(inp)} naming host {claimed!r} "
                                          f"on the subject of host {sender!r}")
             return
+        lacking = self._note_inventory(key, inp) if isinstance(inp, Inventoried) else []
         slot = self._slot(key)
         async with slot.lock:
             if not self.held:
@@ -378,6 +408,81 @@ class Partition:
         if done:
             with contextlib.suppress(nats.errors.Error):
                 await msg.ack()
+        for other, vm_id, host, round_id in lacking:
+            await self._absent(other, vm_id, host, round_id)
+
+    # ------------------------------------------------------------ inventories against the log
+    def _index(self, key: str, state: KeyState) -> None:
+        """Keep ``_bound_on`` equal to what ``state`` binds (called after every fold of the key)."""
+        cur = state.cur
+        bound = (cur.host, cur.vm_id) if cur is not None and cur.bound and cur.host and cur.vm_id else None
+        for host, keys in self._bound_on.items():
+            old = keys.get(key)
+            if old is not None and bound != (host, old):
+                del keys[key]
+                self._last_listed.pop((key, old), None)
+        if bound is not None:
+            host, vm_id = bound
+            keys = self._bound_on.setdefault(host, {})
+            if keys.get(key) != vm_id:
+                keys[key] = vm_id
+                self._last_listed[(key, vm_id)] = time.monotonic()
+
+    def _note_inventory(self, key: str, inp: Inventoried) -> list[tuple[str, str, str, str]]:
+        """An item of a host's inventory round. Agents publish a round's items one after another,
+        so the first item of a newer round shows the previous one complete here: every VM the log
+        bound on that host when it began and no item of it named is returned (key, vm, host, round)."""
+        if inp.state == ABSENT or not inp.round:
+            return []
+        if self._bound_on.get(inp.host, {}).get(key) == inp.vm_id:
+            self._last_listed[(key, inp.vm_id)] = time.monotonic()
+        r = self._rounds.get(inp.host)
+        done: _Round | None = None
+        if r is None or r.round_id != inp.round:
+            done = r
+            r = self._rounds[inp.host] = _Round(inp.round, dict(self._bound_on.get(inp.host, {})))
+        r.seen.add(inp.vm_id)
+        if done is None:
+            return []
+        now_bound = self._bound_on.get(inp.host, {})
+        return [
+            (k, vm_id, inp.host, done.round_id)
+            for k, vm_id in done.expected.items()
+            if vm_id not in done.seen and now_bound.get(k) == vm_id
+        ]
+
+    async def sweep_inventory(self, live_hosts: set[str]) -> int:
+        """The backstop: a VM bound on a live host that no round has named for ``inventory_stale_s``
+        is inspected (a re-check, never an eviction on its own). Returns how many were asked."""
+        now, asked = time.monotonic(), 0
+        for host, keys in list(self._bound_on.items()):
+            if host not in live_hosts:
+                continue
+            for key, vm_id in list(keys.items()):
+                if now - self._last_listed.get((key, vm_id), now) >= self.inventory_stale_s:
+                    self._last_listed[(key, vm_id)] = now  # asked once per stale period
+                    await self._absent(key, vm_id, host, "")
+                    asked += 1
+        return asked
+
+    async def _absent(self, key: str, vm_id: str, host: str, round_id: str) -> None:
+        """Tell the key that a round of ``host`` lacked its bound VM; decide asks for an inspect."""
+        slot = self.keys.get(key)
+        if slot is None or not self.held:
+            return
+        cur = slot.state.cur
+        if cur is None or cur.vm_id != vm_id or cur.host != host:
+            return
+        self.stats["absent"] += 1
+        metrics.POD_LIFECYCLE.labels("inventory", "absent", "").inc()
+        log.info("inventory round %s of %s lacks bound VM %s; inspecting", round_id or "(none lately)", host, vm_id,
+                 extra={"key": key, "partition": self.p})
+        await self.feed(key, Inventoried(cur.fence, host, vm_id, ABSENT, round=round_id))
+
+    async def _sweep(self) -> None:
+        while self.held:
+            await asyncio.sleep(INVENTORY_SWEEP_S)  # a period, not a synchronisation
+            await self.sweep_inventory({h.name for h in self.env().hosts})
 
     async def feed(self, key: str, inp: Input) -> bool:
         """Decide an outcome this process produced (see EffectRunner._outcome); False if not ours."""
@@ -480,6 +585,7 @@ class Partition:
         fold_all(slot.state, decisions)
         slot.state.n, slot.last_seq, slot.dirty = entry.n, seq, True
         self._max_seen = max(self._max_seen, seq)
+        self._index(key, slot.state)
 
     async def _rebuild(self, slot: KeySlot, known: KeyState) -> None:
         """The log holds less than this writer had folded (its tail was lost, e.g. restored from an

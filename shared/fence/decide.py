@@ -26,6 +26,8 @@ Reading guide (the rows of the table; the first column is ``_INPUTS``, one rule 
                      current bound VM, delete claim held   Released + EvictionDeferred
     ProbeChanged     fence not current                     Skipped(superseded | stale_effect)
     Inventoried      unknown VM, current uid, key VM-less   Discovered + adopt (inspect first, rule 8)
+                     absent: a host's inventory lacks our   inspect; not_found -> the VM-gone path
+                       bound VM                             (rules 8, 12: confirmed, never a guess)
                      any other unknown VM                  Discovered + remove (never a leak)
     WriteDone        write not outstanding                 (dropped: redelivery)
                      else                                  Done + the outcome's cell (``_WRITES``):
@@ -51,7 +53,7 @@ made again until every host has answered:
     hibernate  hibernated  hibernate_failed  fenced  hibernate_failed  retry
     wake       up_ok       up_failed         fenced  up_failed         retry
     adopt      adopted     adopt_lost        fenced  adopt_lost        adopt_again
-    inspect    -           -                 -       -                 -
+    inspect    inspected   retry             fenced  inspect_gone      retry
     survey     surveyed    resurvey          fenced  resurvey          resurvey
 
 Timers by typed purpose (``_KEY_TIMERS`` for any fence of the key, ``_CURRENT_TIMERS`` only for the
@@ -86,6 +88,7 @@ from typing import Any
 import msgspec
 
 from shared.fence.schema import (
+    ABSENT,
     MAX_EPOCH,
     MAX_EPOCH_LEAP,
     MAX_OBJECT_BYTES,
@@ -653,6 +656,16 @@ def _adopt_again(run: _Run, a: _Answer) -> None:
         _retry(run, a)
 
 
+def _inspected(run: _Run, a: _Answer) -> None:
+    """The runtime knows the VM: the inventory that lacked it was wrong (or raced a change); the
+    binding stands and nothing else is done."""
+
+
+def _inspect_gone(run: _Run, a: _Answer) -> None:
+    """The runtime confirmed the VM is gone: the VM-gone path (rule 7), as if its host had said so."""
+    _on_gone(run, VMGone(a.cmd.fence, a.cmd.host, a.cmd.vm_id))
+
+
 def _surveyed(run: _Run, a: _Answer) -> None:
     """A host said what it has of the key: each VM unknown to the log is discovered."""
     s = run.s
@@ -846,6 +859,10 @@ def _on_inventory(run: _Run, i: Inventoried) -> None:
         if ours:
             _on_gone(run, VMGone(i.fence, i.host, i.vm_id))
         return  # a lost VM is never discovered: there is nothing to adopt or remove
+    if i.state == ABSENT:
+        if ours and rec is not None:
+            _inspect(run, rec)
+        return  # absence of a VM we do not bind there says nothing
     if rec is None:
         _discover(run, i, run.s.rebuilding)
     elif not ours:
@@ -858,6 +875,26 @@ def _on_inventory(run: _Run, i: Inventoried) -> None:
         # the probe's own report was decided before the binding (a redelivery reordered them) and
         # dropped, or never stored: the readiness the host last reported wins
         _on_probe(run, ProbeChanged(i.fence, i.host, i.vm_id, i.ready))
+
+
+def _inspect(run: _Run, rec: VMRec) -> None:
+    """A complete inventory of the VM's host lacked it (a forged remove, a lost vm-gone): evidence,
+    not proof. The agent asks its runtime (rule 8); only its not_found takes the VM-gone path, an
+    inconclusive answer is asked again (rule 12). One inspect of a VM at a time."""
+    s, cur = run.s, run.s.cur
+    if cur is None or cur.fence != rec.fence or cur.vm_id != rec.vm_id or not cur.bound or cur.deleting:
+        return
+    if rec.state != "running" or _inspecting(s, rec.vm_id):
+        return
+    _command(run, "inspect", rec.fence, rec.host, rec.vm_id, None)
+
+
+def _inspecting(s: KeyState, vm_id: str) -> bool:
+    return any(
+        (isinstance(e, Commanded) and e.command.op == "inspect" and e.command.vm_id == vm_id)
+        or (isinstance(e, TimerArmed) and e.timer == RetryTimer("inspect", vm_id))
+        for e in s.outbox.values()
+    )
 
 
 def _discover(run: _Run, i: Inventoried, rebuilding: bool) -> None:
@@ -1064,7 +1101,7 @@ def _timer_retry(run: _Run, fence: Fence, p: RetryTimer) -> None:
     default VM) and, for a wake, the snapshot in the log (rule 10: never a blank VM)."""
     s = run.s
     rec = s.vms.get(p.vm_id)
-    if rec is not None and rec.fence == fence:
+    if rec is not None and rec.fence == fence and (p.op not in _RETRY_WHILE_CURRENT or s.is_current(fence)):
         cur = _cur_of(s, fence)
         spec = cur.spec if cur is not None and p.op in _CARRIES_SPEC else None
         snapshot = cur.snapshot if cur is not None and p.op in _CARRIES_SNAPSHOT else None
@@ -1179,6 +1216,8 @@ def _command(
 # what a command re-sent by a RetryTimer carries from the incarnation, by op (as the first one did)
 _CARRIES_SPEC: frozenset[CommandOp] = frozenset({"create", "start", "wake", "hibernate", "adopt"})
 _CARRIES_SNAPSHOT: frozenset[CommandOp] = frozenset({"wake"})
+# ops a RetryTimer re-sends only while their fence is current (an inspect checks a binding)
+_RETRY_WHILE_CURRENT: frozenset[CommandOp] = frozenset({"inspect"})
 
 
 def _cur_of(s: KeyState, fence: Fence) -> Incarnation | None:
@@ -1291,7 +1330,6 @@ _INPUTS: dict[type, InputRule] = {
     TimerFired: _on_timer,
 }
 
-_NOT_COMMANDED = CannotHappen("decide never commands inspect (an adopt inspects on the agent)")
 
 
 def _row(
@@ -1314,7 +1352,7 @@ _RESULTS: dict[CommandOp, dict[ResultOutcome, ResultRule | CannotHappen]] = {
     "hibernate": _row(_hibernated, _hibernate_failed, _fenced, _hibernate_failed, _retry),
     "adopt": _row(_adopted, _adopt_lost, _fenced, _adopt_lost, _adopt_again),
     "survey": _row(_surveyed, _resurvey, _fenced, _resurvey, _resurvey),
-    "inspect": _row(_NOT_COMMANDED, _NOT_COMMANDED, _NOT_COMMANDED, _NOT_COMMANDED, _NOT_COMMANDED),
+    "inspect": _row(_inspected, _retry, _fenced, _inspect_gone, _retry),
 }
 
 _WRITES: dict[WriteOutcome, WriteRule] = {

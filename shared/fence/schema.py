@@ -99,8 +99,14 @@ class ConfirmedRead(msgspec.Struct, tag="confirmed", frozen=True, omit_defaults=
     v: int = SCHEMA_VERSION
 
 
+# ``Inventoried.state`` of a VM a host's complete inventory round lacked (the reconciler compares a
+# round with what the log binds on that host): evidence for an inspect, never proof (rules 8, 12)
+ABSENT = "absent"
+
+
 class Inventoried(msgspec.Struct, tag="inventory", frozen=True, omit_defaults=True):
-    """One VM an agent has, with the fence that owns it in the agent's ledger."""
+    """One VM an agent has, with the fence that owns it in the agent's ledger (or, with ``state``
+    ``ABSENT``, one the host's inventory round ``round`` lacked)."""
 
     fence: Fence
     host: str

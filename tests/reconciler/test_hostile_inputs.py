@@ -275,3 +275,72 @@ async def test_a_command_above_the_bound_is_never_sent_and_ends_as_a_failed_resu
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def _bind(part: Partition, gateway: NullGateway, key: Key, uid: str) -> Command:
+    """Admit ``key`` and bind its VM, fed in-process; returns its create."""
+    gateway.objects[str(key)] = (uid, 1, Spec())
+    assert await part.feed(str(key), Observed(str(key), uid, 1))
+    (create,) = [e.command for e in part.keys[str(key)].state.outbox.values()
+                 if isinstance(e, Commanded) and e.command.op == "create"]
+    assert await part.feed(str(key), CommandResult(create.fence, create.id, "create", create.host, create.vm_id, "ok"))
+    return create
+
+
+def _inspects(part: Partition, key: Key) -> list[Command]:
+    return [e.command for e in part.keys[str(key)].state.outbox.values()
+            if isinstance(e, Commanded) and e.command.op == "inspect"]
+
+
+async def test_a_complete_round_that_lacks_a_bound_vm_asks_for_an_inspect_then_evicts(bus: Bus) -> None:
+    gateway = NullGateway()
+    effects = EffectRunner(bus.js, bus.subjects, gateway)
+    part = Partition(0, js=bus.js, subjects=bus.subjects, writer="writer", effects=effects, snapshots=None,
+                     env=lambda: ENV, confirm=gateway.confirm)
+    kept, vanished = Key("pod", "default", "kept"), Key("pod", "default", "vanished")
+    a, b = await _bind(part, gateway, kept, "uid-k"), await _bind(part, gateway, vanished, "uid-v")
+    assert a.host == b.host == "host-a"
+
+    async def item(create: Command, round_id: str) -> None:
+        inv = Inventoried(create.fence, "host-a", create.vm_id, "running", round=round_id)
+        await bus.js.publish(bus.subjects.host_report(Key.parse(create.fence.key), "host-a"), encode(inv))
+
+    task = asyncio.create_task(part.run())
+    try:
+        await item(a, "host-a-b1-1")
+        await item(b, "host-a-b1-1")
+        await item(a, "host-a-b1-2")  # round 2 names only one of the two (a forged remove took the other)
+        await item(a, "host-a-b1-3")  # round 3 begins: round 2 is complete
+        await wait_until(lambda: bool(_inspects(part, vanished)), "the inspect of the VM round 2 lacked")
+        assert _inspects(part, kept) == [], "a VM every round named is not inspected"
+        state = part.keys[str(vanished)].state
+        assert state.cur is not None and state.cur.bound, "absence alone evicts nothing"
+        (inspect,) = _inspects(part, vanished)
+        assert (inspect.vm_id, inspect.host) == (b.vm_id, "host-a")
+        gone = CommandResult(inspect.fence, inspect.id, "inspect", "host-a", inspect.vm_id, "not_found")
+        await bus.js.publish(bus.subjects.host_report(vanished, "host-a"), encode(gone))
+        await wait_until(lambda: part.keys[str(vanished)].state.cur is not None
+                         and part.keys[str(vanished)].state.cur.evicting, "the eviction")
+        decisions = [d for _, e in await log_entries(bus) if e.key == str(vanished) for d in e.decisions]
+        assert any(isinstance(d, EvictionRequested) for d in decisions)
+        assert part.stats["absent"] == 1
+    finally:
+        part.held = False
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_a_bound_vm_no_round_named_for_long_is_inspected(bus: Bus) -> None:
+    gateway = NullGateway()
+    effects = EffectRunner(bus.js, bus.subjects, gateway)
+    part = Partition(0, js=bus.js, subjects=bus.subjects, writer="writer", effects=effects, snapshots=None,
+                     env=lambda: ENV, confirm=gateway.confirm, inventory_stale_s=0.0)
+    alone = Key("pod", "default", "alone")  # the only VM of its host in this partition: no round completes
+    create = await _bind(part, gateway, alone, "uid-a")
+    assert await part.sweep_inventory({"host-b"}) == 0, "a host that is not live is not asked"
+    assert await part.sweep_inventory({"host-a"}) == 1
+    (inspect,) = _inspects(part, alone)
+    assert (inspect.vm_id, inspect.host, inspect.fence) == (create.vm_id, "host-a", create.fence)
+    await part.sweep_inventory({"host-a"})
+    assert len(_inspects(part, alone)) == 1, "one inspect at a time"

@@ -101,7 +101,10 @@ def _with_effect(effect: Commanded | TimerArmed) -> KeyState:
     return d.state
 
 
-def test_a_cannot_happen_result_cell_is_logged_as_a_skip_and_counted() -> None:
+def test_a_cannot_happen_result_cell_is_logged_as_a_skip_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # every result cell is a rule today (decide commands inspect since issue 10, finding 5): one is
+    # made a named cannot-happen to show what such a cell does should one fire
+    monkeypatch.setitem(policy._RESULTS["inspect"], "ok", CannotHappen("decide never commands inspect"))
     fence = Fence(KEY, "u1", 1)
     inspect = Command("insp-1", "inspect", fence, "host-a", "vm-x")
     state = _with_effect(Commanded(inspect))
