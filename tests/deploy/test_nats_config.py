@@ -109,7 +109,7 @@ def single_node_config(workdir: Path, port: int, http_port: int) -> str:
     text = re.sub(r"^listen:.*$", f"listen: 127.0.0.1:{port}", text, flags=re.M)
     text = re.sub(r"^http:.*$", f"http: 127.0.0.1:{http_port}", text, flags=re.M)
     text = re.sub(r"store_dir:.*$", f"store_dir: {workdir / 'js'}", text, flags=re.M)
-    text = re.sub(r"max_file_store:.*$", "max_file_store: 256MB", text, flags=re.M)
+    # max_file_store stays the deployment's: the streams reserve their byte bounds against it
     rel = os.path.relpath(NATS_DIR / "accounts.conf", workdir)
     text = text.replace("include ./accounts.conf", f"include {rel}")
     assert "cluster" not in re.sub(r"#.*", "", text)
@@ -495,7 +495,7 @@ def cluster_node_config(n: int, workdir: Path, ports: dict[int, tuple[int, int, 
     text = re.sub(r"^listen:.*$", f"listen: 127.0.0.1:{client}", text, flags=re.M)
     text = re.sub(r"^http:.*$", f"http: 127.0.0.1:{http}", text, flags=re.M)
     text = re.sub(r"store_dir:.*$", f"store_dir: {workdir / 'js'}", text, flags=re.M)
-    text = re.sub(r"max_file_store:.*$", "max_file_store: 256MB", text, flags=re.M)
+    # max_file_store stays the deployment's: the streams reserve their byte bounds against it
     text, subs = re.subn(
         r"^(\s+)listen:\s*0\.0\.0\.0:6222", rf"\g<1>listen: 127.0.0.1:{route}", text, flags=re.M
     )
