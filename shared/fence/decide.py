@@ -20,10 +20,12 @@ Reading guide (the rows of the table; the first column is ``_INPUTS``, one rule 
                      new uid                               Superseded(old) + Admitted(new) (rule 2,3)
     CommandResult    command not outstanding               (dropped: redelivery)
                      fence or VM not the command's         Skipped(stale_effect)
+                     another host than the command's       Skipped(wrong_host)
                      else                                  Done + the (op, outcome) cell below
     VMExited         current bound VM                      Restarting | Succeeded | Failed (rule 7)
     VMGone           current bound VM, no delete claim     Released + EvictionRequested (rule 7)
                      current bound VM, delete claim held   Released + EvictionDeferred
+                     another host than the log placed it   Skipped(wrong_host): never an eviction
     ProbeChanged     fence not current                     Skipped(superseded | stale_effect)
     Inventoried      unknown VM, current uid, key VM-less   Discovered + adopt (inspect first, rule 8)
                      absent: a host's inventory lacks our   inspect; not_found -> the VM-gone path
@@ -38,6 +40,11 @@ Reading guide (the rows of the table; the first column is ``_INPUTS``, one rule 
     TimerFired       timer not armed                       (dropped: redelivery)
                      else                                  Done + the purpose's cell below: a
                                                            re-check, never a destruction (rule 12)
+
+Before any row: an input carrying a fence outside the epoch bound (below 0, above ``MAX_EPOCH``, or
+more than ``MAX_EPOCH_LEAP`` above the log's epoch) is Skipped(epoch_out_of_bounds) and nothing else,
+never evidence of a lost tail; an observation or read above ``MAX_OBJECT_BYTES`` is decided as an
+invalid spec (``within_bounds``).
 
 Agent results by the command's op (as the log commanded it) and the answer's outcome (``_RESULTS``;
 ``-`` is a named CannotHappen). A create/start/wake that took is Bound if its fence is current, else
