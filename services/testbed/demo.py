@@ -43,6 +43,7 @@ from shared.tasks import run_main
 
 NS = "default"
 SETTLE_TIMEOUT_S = 60.0
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 ORACLE_PERIOD_S = 0.05
 
 
@@ -370,6 +371,9 @@ def run_demo(args: argparse.Namespace) -> int:
     except (TimeoutError, RuntimeError, OSError) as exc:  # StackBusy, StackConfigError, NatsServerError …
         print(f"vmfence demo: {one_line(exc)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the stack was stopped on the way out (demo's finally)
+        print("vmfence demo: interrupted; the stack was stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:

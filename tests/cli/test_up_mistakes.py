@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import pytest
 from services.testbed.natsserver import free_port
 
 CLI_TIMEOUT_S = 60.0
+POLL_S = 0.1
 
 
 def _vmfence(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -67,3 +70,27 @@ def test_status_without_a_stack_or_with_its_nats_gone_is_one_line(tmp_path: Path
     (tmp_path / ".vmfence" / "stack.json").write_text(json.dumps({"nats_url": dead, "partitions": 16}))
     line = _one_line(_vmfence(tmp_path, "status"), "vmfence status: cannot connect to NATS at ")
     assert "secret" not in line and "audit:***@" in line
+
+
+def test_demo_interrupted_with_ctrl_c_stops_its_stack_in_one_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMFENCE_")}
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "demo", "--runtime", "sim", "--json",
+                             "--dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, env=env)
+    try:
+        deadline = time.monotonic() + CLI_TIMEOUT_S
+        # the stack is up once its reconcilers log (an external process: bounded polling of its files)
+        while not list((run_dir / "logs").glob("reconciler-*.log")) and proc.poll() is None:
+            assert time.monotonic() < deadline, "the demo never started its stack"
+            time.sleep(POLL_S)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=CLI_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert proc.returncode == 130 and lines == ["vmfence demo: interrupted; the stack was stopped"], stderr
+    assert stdout == ""
+    alive = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
+    assert alive.stdout == "", "a process of the interrupted stack is still running"
