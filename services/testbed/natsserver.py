@@ -261,6 +261,7 @@ class NatsServer:
     config_text: str | None = None
     owns_store: bool = False
     name: str | None = None
+    keep_fds: tuple[int, ...] = ()  # descriptors the server inherits (a stack's directory lock)
     binary: str = field(default_factory=nats_server_binary)
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
@@ -313,7 +314,7 @@ class NatsServer:
         try:
             self._proc = subprocess.Popen(  # umask: the store, its log and its files only for this user
                 self._argv(), stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, start_new_session=True,
-                umask=0o077,
+                umask=0o077, pass_fds=self.keep_fds,
             )
         finally:
             stderr.close()
@@ -408,8 +409,10 @@ async def start_nats(
     port: int = 0,
     jetstream: bool = True,
     config_text: str | None = None,
+    keep_fds: tuple[int, ...] = (),
 ) -> NatsServer:
-    """Start one server on loopback; a temporary store dir is removed on stop unless given."""
+    """Start one server on loopback; a temporary store dir is removed on stop unless given.
+    ``keep_fds``: descriptors it inherits (a stack's lock: held while the server lives)."""
     owns = store_dir is None
     if store_dir is None:
         store_dir = tempfile.mkdtemp(prefix="vmfence-nats-")
@@ -420,6 +423,7 @@ async def start_nats(
         jetstream=jetstream,
         config_text=config_text,
         owns_store=owns,
+        keep_fds=keep_fds,
     )
     try:
         await server.start()

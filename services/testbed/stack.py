@@ -104,6 +104,12 @@ class DirLock:
     def held(self) -> bool:
         return self._fd is not None
 
+    @property
+    def inherit(self) -> tuple[int, ...]:
+        """For a child's ``pass_fds``: a child holds the lock with its parent, so processes a killed
+        stack leaves behind (nats-server, reconcilers) keep their directory from the next one."""
+        return () if self._fd is None else (self._fd,)
+
     def acquire(self) -> None:
         if self._fd is not None:
             return
@@ -115,7 +121,8 @@ class DirLock:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise StackBusy(
-                f"another stack is running in {self.directory} (pid {holder}); stop it first or use another --dir"
+                f"another stack is running in {self.directory} (pid {holder}, or processes it started); "
+                "stop it first or use another --dir"
             ) from None
         except BaseException:
             os.close(fd)
@@ -246,7 +253,8 @@ class LocalStack:
         accounts, self.users = local_accounts(self.hosts)
         self.users.save(self.root / USERS_FILE)
         on_status("nats", "starting")
-        self.nats = await start_nats(store_dir=str(self.root / "nats"), config_text=accounts)
+        self.nats = await start_nats(store_dir=str(self.root / "nats"), config_text=accounts,
+                                     keep_fds=self._lock.inherit)
         on_status("nats", self.nats.url)
         self.bus = await self.open_bus(HARNESS_USER, "vmfence-stack")
         provisioner = await self.open_bus("reconciler", "vmfence-stack-provision")
@@ -353,6 +361,7 @@ class LocalStack:
             env=env,
             start_new_session=True,
             umask=0o077,
+            pass_fds=self._lock.inherit,
         )
         os.close(log)  # the child has its own copy
 
