@@ -521,7 +521,8 @@ def _cluster_conf(name: str, cluster_name: str, route_port: int, peers: list[int
 
 
 async def start_cluster(
-    n: int = 3, *, base_dir: str | None = None, name: str = "vmfence", accounts: str | None = None
+    n: int = 3, *, base_dir: str | None = None, name: str = "vmfence", accounts: str | None = None,
+    keep_fds: tuple[int, ...] = (),
 ) -> NatsCluster:
     """n JetStream nodes with routes on loopback; ready when the meta leader sees all n peers.
     ``accounts``: users and permissions every node serves (see :func:`local_accounts`)."""
@@ -544,6 +545,7 @@ async def start_cluster(
                 config_text=_cluster_conf(node_name, name, route_ports[i], peers) + (accounts or ""),
                 owns_store=False,
                 name=node_name,
+                keep_fds=keep_fds,
             )
         )
     cluster = NatsCluster(nodes=nodes, base_dir=base_dir, owns_dir=owns, name=name)

@@ -59,6 +59,7 @@ class Proc:
     port: int
     log: Path
     env: dict[str, str] = field(default_factory=dict)  # its NATS identity (VMFENCE_NATS_USER/_PASSWORD)
+    keep_fds: tuple[int, ...] = ()  # the run directory's lock: held while this process lives
     popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -73,7 +74,7 @@ class Proc:
         try:  # the identity travels in the environment, never in argv (ps shows argv to everyone)
             self.popen = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd=ROOT, env=env,
-                start_new_session=True, umask=0o077,
+                start_new_session=True, umask=0o077, pass_fds=self.keep_fds,
             )
         finally:
             os.close(err)  # the child keeps its own descriptor
@@ -371,7 +372,8 @@ class ProcessChaos:
         # the deployment's users and permissions (deploy/nats/accounts.conf), passwords of this run
         accounts, users = local_accounts(HOSTS)
         users.save(self.run_dir / USERS_FILE)
-        self.cluster = await start_cluster(3, base_dir=str(private_dir(self.run_dir / "nats")), accounts=accounts)
+        self.cluster = await start_cluster(3, base_dir=str(private_dir(self.run_dir / "nats")), accounts=accounts,
+                                           keep_fds=self.dir_lock.inherit)
         urls = ",".join(self.cluster.urls)
         self.subjects = Subjects(partitions=PARTITIONS)
         # the campaign's own connection is admin: it reads every consumer's lag and lists the streams
@@ -395,6 +397,7 @@ class ProcessChaos:
                  "--kubeconfig-out", kubeconfig),
             api_port, logs / "apiserver.log",
         )  # fmt: skip
+        self.procs["apiserver"].keep_fds = self.dir_lock.inherit
         self.procs["apiserver"].start()
         if not await self.procs["apiserver"].wait_ready():
             raise RuntimeError(f"apiserver not ready:\n{self.procs['apiserver'].tail()}")
@@ -431,6 +434,7 @@ class ProcessChaos:
                 port, logs / f"{name}.log", env=users.env("reconciler"),
             )  # fmt: skip
         for p in self.procs.values():
+            p.keep_fds = self.dir_lock.inherit
             if not p.running:
                 p.start()
         for p in self.procs.values():
