@@ -405,7 +405,9 @@ class Agent:
 
     async def _report(self, kind: str, fence: Fence, payload: msgspec.Struct, msg_id: str) -> None:
         assert self.bus is not None
-        subject = self.subjects.report(Key.parse(fence.key))
+        # the subject names this host: NATS lets this agent's user publish only under it (rule 4's
+        # "a report's host is bound to its sender"), and the reconciler refuses a report naming another
+        subject = self.subjects.host_report(Key.parse(fence.key), self.config.host)
         await publish_input(self.bus.js, subject, encode(payload), msg_id=msg_id)
         self.metrics.reports.labels(kind=kind).inc()
 

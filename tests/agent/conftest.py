@@ -27,7 +27,7 @@ WAIT_S = 10.0
 
 @dataclass
 class Reports:
-    """Every report published on ``<prefix>.in.*.report.>`` (core subscription), awaitable."""
+    """Every report an agent published (``<prefix>.in.*.agent.<host>.>``, core subscription), awaitable."""
 
     items: list[Input] = field(default_factory=list)
     cond: asyncio.Condition = field(default_factory=asyncio.Condition)
@@ -66,7 +66,7 @@ async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
 @pytest.fixture
 async def reports(nc: Client) -> Reports:
     r = Reports()
-    await nc.subscribe("vmfence.in.*.report.>", cb=r.on_msg)
+    await nc.subscribe("vmfence.in.*.agent.>", cb=r.on_msg)
     await nc.flush()
     return r
 

@@ -115,7 +115,7 @@ async def _heartbeat_and_command(url: str) -> None:
             if isinstance(inp, CommandResult):
                 await results.put(inp)
 
-        await admin.subscribe("vmfence.in.*.report.>", cb=on_report)
+        await admin.subscribe(f"vmfence.in.*.agent.{HOST}.>", cb=on_report)
         await admin.flush()
         f = Fence("default/web", "uid-1", 1)
         cmd = Command(id="uid-1:1:create:web-1", op="create", fence=f, host=HOST, vm_id="web-1",

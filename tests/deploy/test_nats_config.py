@@ -322,7 +322,7 @@ async def test_agent_publishes_reports_and_its_heartbeat(nats_url: str) -> None:
     agent = await connect(nats_url, "agent-host-a")
     try:
         js = agent.nc.jetstream(timeout=2)
-        ack = await js.publish("vmfence.in.3.report.default.web-0", b"vm started")
+        ack = await js.publish("vmfence.in.3.agent.host-a.default.web-0", b"vm started")
         assert ack.stream == "VMFENCE_IN"
         ack = await js.publish("vmfence.dlq.agent", b"undecodable command")
         assert ack.stream == "VMFENCE_DLQ"
@@ -443,7 +443,7 @@ async def test_project_bus_helpers_work_under_each_users_permissions(nats_url: s
         await dead_letter(wjs, subjects, source="watcher", reason="undecodable", subject="x", data=b"?")
         # agent: a report
         ajs = agent.nc.jetstream(timeout=2)
-        await publish_input(ajs, subjects.report(key), b"started", msg_id="cmd-1:result")
+        await publish_input(ajs, subjects.host_report(key, "host-a"), b"started", msg_id="cmd-1:result")
         # reconciler: fenced appends, reads, leases
         rjs = rec.nc.jetstream(timeout=2)
         log_subject = subjects.log(key)
@@ -598,3 +598,17 @@ async def test_inventory_queries_only_audit_asks_and_only_that_hosts_agent_answe
     finally:
         for c in (agent_a, agent_b, audit, watcher):
             await c.nc.close()
+
+
+async def test_an_agent_reports_only_under_its_own_host(nats_url: str) -> None:
+    """Finding 4 of issue 10: a report's host is bound to its sender. host-a's agent may publish a
+    report under host-a only: not under host-b's subject, and not on the unbound report subject."""
+    agent = await connect(nats_url, "agent-host-a")
+    try:
+        for subject in ("vmfence.in.3.agent.host-b.default.web-0", "vmfence.in.3.report.default.web-0"):
+            await agent.nc.publish(subject, b"VM gone, says host-a about host-b")
+            await agent.nc.flush()
+            await agent.wait_violation(subject)
+    finally:
+        await agent.nc.close()
+
