@@ -485,14 +485,15 @@ def _run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float 
     return wall, p.stdout
 
 
-async def replay_figure(url: str, partitions: int, tmp: str) -> dict[str, Any]:
-    """Export then replay (file and JetStream) as the CLI does, beside decoding the same file."""
-    from shared.bus.connect import Bus
+async def replay_figure(stack: Any, tmp: str) -> dict[str, Any]:
+    """Export then replay (file and JetStream) as the CLI does — as the read-only audit user —
+    beside decoding the same file."""
     from shared.bus.logstream import iter_export
     from shared.bus.read import read_stream
-    from shared.subjects import Subjects
 
-    env = {"VMFENCE_PARTITIONS": str(partitions)}
+    url, password = stack.identity("audit")
+    env = {"VMFENCE_PARTITIONS": str(stack.partitions), "VMFENCE_NATS_USER": "audit",
+           "VMFENCE_NATS_PASSWORD": password}
     path = os.path.join(tmp, "log.export")
     export_wall, _ = await asyncio.to_thread(_run_cli, ["export", "--nats", url, "-o", path], env)
     file_wall, out = await asyncio.to_thread(_run_cli, ["replay", "--nats", url, "--file", path, "--json"], env)
@@ -522,7 +523,7 @@ async def replay_figure(url: str, partitions: int, tmp: str) -> dict[str, Any]:
         untyped.append(time.perf_counter() - t0)
     assert n == entries == m, (n, entries, m)
     # raw JetStream read of the same log (no decoding)
-    bus = await Bus.open(url, name="bench-replay", subjects=Subjects(partitions=partitions))
+    bus = await stack.open_bus("audit", "bench-replay")
     try:
         t0 = time.perf_counter()
         k = 0
@@ -897,7 +898,7 @@ async def run_all(
                         "command": f"{cmd} --only pods",
                     }
                 if "replay" in only:
-                    rep = await replay_figure(sb.stack.nats.url, sb.stack.partitions, tmp)
+                    rep = await replay_figure(sb.stack, tmp)
                     figs["replay"] = {
                         **rep,
                         "target": "replay >= 0.5 x raw decode",
