@@ -71,11 +71,14 @@ class EffectRunner:
         self._queues: dict[str, collections.deque[Work]] = {}
         self._ready: asyncio.Queue[str] = asyncio.Queue()
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self._halted: set[str] = set()  # quarantined keys: nothing of theirs is carried out
         self.idle = asyncio.Event()
         self.idle.set()
         self._busy = 0
 
     def submit(self, key: str, effect: Work) -> None:
+        if key in self._halted:
+            return  # a quarantined key's state is unknown (rule 12); its outbox is re-derived on lift
         q = self._queues.get(key)
         if q is None:
             q = self._queues[key] = collections.deque()
@@ -110,6 +113,27 @@ class EffectRunner:
             if self.subjects.partition(key) == partition:
                 handle.cancel()
                 del self._timers[(key, tid)]
+        # the partition's next load judges its keys' logs afresh
+        self._halted = {k for k in self._halted if self.subjects.partition(k) != partition}
+
+    def halt(self, key: str) -> None:
+        """Carry out nothing more for ``key`` (its log holds an entry nobody can read): queued
+        effects and armed timers are dropped, later submits ignored, until ``resume``. An effect
+        being carried out at this instant finishes; its outcome is refused by the partition."""
+        self._halted.add(key)
+        q = self._queues.get(key)
+        if q is not None:
+            q.clear()
+        for (k, tid), handle in list(self._timers.items()):
+            if k == key:
+                handle.cancel()
+                del self._timers[(k, tid)]
+
+    def resume(self, key: str) -> None:
+        self._halted.discard(key)
+
+    def halted(self, key: str) -> bool:
+        return key in self._halted
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -129,8 +153,8 @@ class EffectRunner:
                 while q:
                     work = q[0]
                     partition = self.subjects.partition(key)
-                    if not self.owns(partition):
-                        q.clear()  # the new owner re-derives these from the log
+                    if not self.owns(partition) or key in self._halted:
+                        q.clear()  # the new owner (or the lifted quarantine) re-derives these from the log
                         break
                     try:
                         await self._execute(Key.parse(key), work)

@@ -4,7 +4,7 @@ the demo, tests — share them and tell themselves apart by labels)."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Protocol
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
@@ -36,6 +36,10 @@ EFFECT_SECONDS = Histogram(
 K8S_WRITES = Counter("vmfence_k8s_writes_total", "Kubernetes writes by outcome", ["verb", "result"])
 CONSUMER_PENDING = Gauge("vmfence_consumer_pending", "Unprocessed inputs per partition", ["partition"])
 AUDIT_VIOLATIONS = Counter("vmfence_audit_violations_total", "Violations found by audits in this process")
+LOG_UNDECODABLE = Counter(
+    "vmfence_log_undecodable_total",
+    "Log entries found that no reader can take as an entry of their subject's key (each quarantines that key)",
+)
 
 
 class HeartbeatAges(Collector):
@@ -70,3 +74,44 @@ class _AgesSource(Protocol):
 
 HEARTBEAT_AGES = HeartbeatAges()
 REGISTRY.register(HEARTBEAT_AGES)
+
+
+class QuarantinedKeys(Collector):
+    """``vmfence_quarantined_keys{partition}``: keys whose log holds an entry that does not decode,
+    so nothing is decided for them, per partition held in this process (computed at scrape time
+    from the partitions still held: a dropped partition reports nothing, never a stale count)."""
+
+    def __init__(self) -> None:
+        self._sources: weakref.WeakSet[_QuarantineSource] = weakref.WeakSet()
+
+    def watch(self, source: _QuarantineSource) -> None:
+        self._sources.add(source)
+
+    def counts(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for source in list(self._sources):
+            if source.held:
+                out[source.p] = max(out.get(source.p, 0), len(source.quarantined))
+        return out
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "vmfence_quarantined_keys",
+            "Keys whose log holds an undecodable entry: no decision, command or write is made for them",
+            labels=["partition"],
+        )
+        for p, n in sorted(self.counts().items()):
+            family.add_metric([str(p)], n)
+        yield family
+
+
+class _QuarantineSource(Protocol):
+    p: int
+    held: bool
+
+    @property
+    def quarantined(self) -> Mapping[str, object]: ...
+
+
+QUARANTINED_KEYS = QuarantinedKeys()
+REGISTRY.register(QUARANTINED_KEYS)

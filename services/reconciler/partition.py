@@ -13,6 +13,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import msgspec
 import nats.errors
@@ -33,6 +34,7 @@ from shared.fence.schema import (
     ABSENT,
     MAX_ENTRY_BYTES,
     MAX_INPUT_BYTES,
+    SCHEMA_VERSION,
     Commanded,
     ConfirmedRead,
     ConfirmRequested,
@@ -73,6 +75,9 @@ H_TRUNCATED = "Vmfence-Truncated"  # on a dead letter cut to MAX_INPUT_BYTES: th
 # sees its rounds complete.
 INVENTORY_STALE_S = 180.0
 INVENTORY_SWEEP_S = 30.0
+# A quarantined key's log is read again this often: once an operator has removed the entry that
+# does not decode (docs/operations.md#vmfencekeyquarantined), the key is loaded and goes on.
+QUARANTINE_RECHECK_S = INVENTORY_SWEEP_S
 
 
 class _Round:
@@ -83,6 +88,24 @@ class _Round:
         self.round_id = round_id
         self.expected = expected
         self.seen: set[str] = set()
+
+
+class Undecodable(Exception):
+    """A stored message on a key's log subject that is no entry of that key: it does not decode
+    (bit rot, a bad restore, a forged append), is of a schema version this reader does not know, or
+    names another key. The key's state is unknown from there on (rule 12)."""
+
+    def __init__(self, key: str, seq: int, reason: str) -> None:
+        super().__init__(f"log entry at stream sequence {seq}: {reason}")
+        self.key, self.seq, self.reason = key, seq, reason
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantine:
+    """Why a key decides nothing: the stream sequence of the entry that could not be read, and why."""
+
+    seq: int
+    reason: str
 
 
 class EntryTooLarge(Exception):
@@ -135,6 +158,97 @@ class Partition:
         self._rounds: dict[str, _Round] = {}  # host -> the inventory round last seen here
         self.inventory_stale_s = inventory_stale_s
         self._last_listed: dict[tuple[str, str], float] = {}  # (key, vm_id) -> when a round last named it
+        # keys whose log holds an entry that is no entry of theirs: nothing is decided, commanded or
+        # written for them (rule 12: their state is unknown), their inputs are dead-lettered
+        self.quarantined: dict[str, Quarantine] = {}
+        metrics.QUARANTINED_KEYS.watch(self)
+
+    def __hash__(self) -> int:  # held in the gauge's WeakSet by identity
+        return id(self)
+
+    # ------------------------------------------------------------------------- quarantine
+    def _entry(self, seq: int, subject: str, data: bytes, key: str | None = None) -> LogEntry:
+        """The log entry stored at ``seq`` on ``subject`` (the log subject of ``key``, when the
+        caller knows it); ``Undecodable`` for anything else. The subject, not the entry's own
+        ``key`` field, says whose log a message is in: that is what a key's reader reads."""
+        if key is None:
+            try:
+                owner = self.subjects.key_of_log_subject(subject)
+            except ValueError:
+                owner = None
+            # a subject that is no key's log subject (bad tokens, or a key of another partition
+            # under this one's prefix) is read by no key's reader: it belongs to nobody
+            key = str(owner) if owner is not None and self.subjects.log(owner) == subject else ""
+        try:
+            entry = decode_entry(data)
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # ValidationError is a DecodeError
+            raise Undecodable(key, seq, f"does not decode: {exc}") from None
+        if entry.v > SCHEMA_VERSION:
+            raise Undecodable(key, seq, f"schema version {entry.v}; this reader reads 1..{SCHEMA_VERSION}")
+        if entry.key != key:
+            raise Undecodable(key, seq, f"an entry of key {entry.key[:200]!r} on the log subject of {key!r}")
+        return entry
+
+    async def _quarantine(self, bad: Undecodable) -> None:
+        """Decide nothing more for the key (its state is unknown): forget its state and what it
+        binds, carry out none of its effects, dead-letter its inputs; said once and counted."""
+        if not bad.key:
+            metrics.LOG_UNDECODABLE.inc()
+            log.error("log entry on no key's log subject ignored: %s", bad, extra={"partition": self.p, "seq": bad.seq})
+            return
+        if bad.key in self.quarantined:
+            return
+        self.quarantined[bad.key] = Quarantine(bad.seq, bad.reason)
+        self.keys.pop(bad.key, None)
+        self._index(bad.key, KeyState(key=bad.key))  # what it bound is not known any more
+        self.effects.halt(bad.key)
+        self.stats["quarantined"] += 1
+        metrics.LOG_UNDECODABLE.inc()
+        log.error(
+            "key quarantined: its log holds an entry it cannot read (seq %d: %s); nothing is decided "
+            "for it until the entry is removed", bad.seq, bad.reason,
+            extra={"key": bad.key, "partition": self.p, "seq": bad.seq},
+        )
+        if self.snapshots is not None:
+            # a row would bring the key back at the next load without the log's say
+            with contextlib.suppress(Exception):
+                await self.snapshots.forget(bad.key)
+
+    async def _quarantine_locked(self, bad: Undecodable) -> None:
+        """``_quarantine`` once no input of the key is being handled (its slot's lock)."""
+        slot = self.keys.get(bad.key)
+        if slot is None:
+            await self._quarantine(bad)
+            return
+        async with slot.lock:
+            await self._quarantine(bad)
+
+    async def recheck_quarantined(self) -> list[str]:
+        """Read each quarantined key's log again from its start; a key whose log now reads (the
+        entry was removed) is loaded as at a partition load — unverified, its outbox carried out.
+        Returns the keys lifted."""
+        lifted = []
+        for key, why in list(self.quarantined.items()):
+            if not self.held:
+                break
+            slot = KeySlot(KeyState(key=key, unverified=True))
+            try:
+                await self._reload(slot, full=True)
+            except Undecodable as bad:
+                if bad.seq != why.seq:
+                    self.quarantined[key] = Quarantine(bad.seq, bad.reason)
+                continue
+            if self.quarantined.pop(key, None) is None:
+                continue
+            self.keys[key] = slot
+            self._index(key, slot.state)
+            self.effects.resume(key)
+            log.warning("quarantine lifted: the key's log reads again (%d entries)", slot.state.n,
+                        extra={"key": key, "partition": self.p})
+            if slot.state.outbox:
+                self.effects.submit_all(key, list(slot.state.outbox.values()))
+            lifted.append(key)
+        return lifted
 
     # ----------------------------------------------------------------------------- loading
     async def load(self) -> None:
@@ -157,8 +271,13 @@ class Partition:
         async for msg in read_stream(
             self.js, self.subjects.stream_log, self.subjects.log_partition(self.p), start_seq=watermark + 1
         ):
-            entry = decode_entry(msg.data)
-            if entry.key in unbacked:
+            try:
+                entry = self._entry(msg.seq, msg.subject, msg.data)
+            except Undecodable as bad:
+                await self._quarantine(bad)
+                unbacked.pop(bad.key, None)
+                continue
+            if entry.key in unbacked or entry.key in self.quarantined:
                 continue
             slot = self._slot(entry.key)
             if entry.n <= slot.state.n:
@@ -170,7 +289,10 @@ class Partition:
                     "gap in log: entry %d after %d; rebuilding key from its log", entry.n, slot.state.n,
                     extra={"key": entry.key, "partition": self.p},
                 )
-                await self._reload(slot, full=True)
+                try:
+                    await self._reload(slot, full=True)
+                except Undecodable as bad:
+                    await self._quarantine(bad)
                 continue
             fold_all(slot.state, entry.decisions)
             slot.state.n, slot.last_seq, slot.dirty = entry.n, msg.seq, True
@@ -179,9 +301,12 @@ class Partition:
         self.stats["caught_up"] = caught
         for key, known in unbacked.items():
             slot = self.keys[key]
-            floor = await self._reload(slot, full=True)
-            if _lost(known, floor):
-                await self._rebuild(slot, known)  # submits the rebuilt key's outbox
+            try:
+                floor = await self._reload(slot, full=True)
+                if _lost(known, floor):
+                    await self._rebuild(slot, known)  # submits the rebuilt key's outbox
+            except Undecodable as bad:
+                await self._quarantine(bad)
         # nothing loaded from the log shows whether it lost a tail before this load (no memory of
         # ours covers its end): every key surveys the hosts before the first VM it makes (_slot
         # does the same for keys first seen later: their whole log may have been lost)
@@ -191,7 +316,7 @@ class Partition:
         self._loaded = True
         # the outbox: effects decided but maybe not carried out before a crash or handover
         for key, slot in self.keys.items():
-            if slot.state.outbox and key not in unbacked:
+            if slot.state.outbox and key not in unbacked and key not in self.quarantined:
                 self.effects.submit_all(key, list(slot.state.outbox.values()))
 
     def _slot(self, key: str) -> KeySlot:
@@ -226,7 +351,7 @@ class Partition:
             # re-read cold: another writer's entries, or a log that is not a continuation of ours
             slot.state, slot.last_seq = KeyState(key=key, unverified=True), 0
         async for msg in read_subject(self.js, self.subjects.stream_log, subject, after_seq=slot.last_seq):
-            entry = decode_entry(msg.data)
+            entry = self._entry(msg.seq, msg.subject, msg.data, key)  # Undecodable: the caller quarantines
             if entry.n != slot.state.n + 1:
                 if not full:
                     return await self._reload(slot, full=True)
@@ -310,17 +435,27 @@ class Partition:
         try:
             while self.held:
                 msg = await queue.get()
-                entry = decode_entry(msg.data)
-                if entry.writer == self.writer:
+                seq = msg.metadata.sequence.stream
+                try:
+                    entry = self._entry(seq, msg.subject, msg.data)
+                except Undecodable as bad:
+                    if bad.key not in self.quarantined:
+                        await self._quarantine_locked(bad)
+                    continue
+                if entry.writer == self.writer or entry.key in self.quarantined:
                     continue
                 slot = self._slot(entry.key)
                 async with slot.lock:
-                    if not self.held or msg.metadata.sequence.stream <= slot.last_seq:
+                    if not self.held or seq <= slot.last_seq or entry.key in self.quarantined:
                         continue
                     log.info("another writer appended to a key of ours; re-reading it",
                              extra={"key": entry.key, "partition": self.p, "writer": entry.writer})
                     metrics.LOST_RACES.inc()
-                    await self._reload(slot)
+                    try:
+                        await self._reload(slot)
+                    except Undecodable as bad:
+                        await self._quarantine(bad)
+                        continue
                     if slot.state.outbox:
                         self.effects.submit_all(entry.key, list(slot.state.outbox.values()))
                 slot.release_idle()
@@ -398,13 +533,26 @@ class Partition:
             await self._dead_letter(msg, f"wrong sender: {_input_kind(inp)} naming host {claimed!r} "
                                          f"on the subject of host {sender!r}")
             return
+        if key in self.quarantined:
+            await self._dead_letter(msg, self._quarantined_reason(key))
+            return
         lacking = self._note_inventory(key, inp) if isinstance(inp, Inventoried) else []
         slot = self._slot(key)
         async with slot.lock:
             if not self.held:
                 return  # not acked: the partition's next owner gets it
-            done = await self._process(slot, inp, msg)
+            if key in self.quarantined:  # while this input waited for the lock
+                done = False
+            else:
+                try:
+                    done = await self._process(slot, inp, msg)
+                except Undecodable as bad:
+                    await self._quarantine(bad)
+                    done = False
         slot.release_idle()
+        if key in self.quarantined:
+            await self._dead_letter(msg, self._quarantined_reason(key))
+            return
         if done:
             with contextlib.suppress(nats.errors.Error):
                 await msg.ack()
@@ -483,18 +631,28 @@ class Partition:
         while self.held:
             await asyncio.sleep(INVENTORY_SWEEP_S)  # a period, not a synchronisation
             await self.sweep_inventory({h.name for h in self.env().hosts})
+            if self.quarantined:
+                await self.recheck_quarantined()
 
     async def feed(self, key: str, inp: Input) -> bool:
         """Decide an outcome this process produced (see EffectRunner._outcome); False if not ours."""
-        if not self.held:
-            return False
+        if not self.held or key in self.quarantined:
+            return False  # a quarantined key's outcome goes through the bus to its dead letters
         slot = self._slot(key)
         async with slot.lock:
-            if not self.held:
+            if not self.held or key in self.quarantined:
                 return False
-            done = await self._process(slot, inp, None)
+            try:
+                done = await self._process(slot, inp, None)
+            except Undecodable as bad:
+                await self._quarantine(bad)
+                return False
         slot.release_idle()
         return done
+
+    def _quarantined_reason(self, key: str) -> str:
+        why = self.quarantined[key]
+        return f"quarantined key: its log entry at stream sequence {why.seq} cannot be read ({why.reason[:300]})"
 
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
         log.warning("dead letter: %s", reason, extra={"partition": self.p})

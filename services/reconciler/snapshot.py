@@ -74,6 +74,11 @@ class SnapshotStore:
         )
         await self.db.commit()
 
+    async def forget(self, key: str) -> None:
+        """Drop one key's row: the next load reads that key from its log alone."""
+        await self.db.execute("DELETE FROM keys WHERE key=?", (key,))
+        await self.db.commit()
+
     async def close(self) -> None:
         if self._db is not None:
             await self._db.close()
