@@ -35,6 +35,9 @@ class ReconcilerConfig(ServiceSettings, KubeSettings):
     host_stale_s: float = setting(15.0, "heartbeat age (s) after which a host counts as dead", flag="--host-stale",
                                   lo=1.0)
     restart_backoff_base_s: float = setting(10.0, "first VM restart delay (s)", flag="--restart-backoff", lo=0.0)
+    drift_interval_s: float = setting(60.0, "seconds between drift checks of the held keys against every live "
+                                      "host's inventory (vmfence_drift); 0 = off", flag="--drift-interval",
+                                      lo=0.0, hi=86400.0)
 
     def owner_id(self) -> str:
         return self.id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -3,6 +3,7 @@ the demo, tests — share them and tell themselves apart by labels)."""
 
 from __future__ import annotations
 
+import typing
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Protocol
@@ -10,6 +11,8 @@ from typing import Protocol
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from shared.fence.drift import DriftKind
 
 DECISIONS = Counter("vmfence_decisions_total", "Decisions appended to the log", ["type"])
 INPUTS = Counter("vmfence_inputs_total", "Inputs consumed by reconcilers", ["kind", "result"])
@@ -36,6 +39,11 @@ EFFECT_SECONDS = Histogram(
 K8S_WRITES = Counter("vmfence_k8s_writes_total", "Kubernetes writes by outcome", ["verb", "result"])
 CONSUMER_PENDING = Gauge("vmfence_consumer_pending", "Unprocessed inputs per partition", ["partition"])
 AUDIT_VIOLATIONS = Counter("vmfence_audit_violations_total", "Violations found by audits in this process")
+DRIFT_CHECKS = Counter(
+    "vmfence_drift_checks_total",
+    "Drift checks of held keys against the hosts' inventories, by result (clean, drift)",
+    ["result"],
+)
 LOG_UNDECODABLE = Counter(
     "vmfence_log_undecodable_total",
     "Log entries found that no reader can take as an entry of their subject's key (each quarantines that key)",
@@ -115,3 +123,49 @@ class _QuarantineSource(Protocol):
 
 QUARANTINED_KEYS = QuarantinedKeys()
 REGISTRY.register(QUARANTINED_KEYS)
+
+DRIFT_KINDS: tuple[str, ...] = typing.get_args(DriftKind)
+# judged by every reconciler alike (not per partition): the hosts' side, so never summed
+_FLEET_KINDS = frozenset({"host_unanswered"})
+
+
+class DriftGauge(Collector):
+    """``vmfence_drift{kind}``: what the last drift check of each reconciler in this process found,
+    every kind (0 when none). Reconcilers hold disjoint partitions, so their partition-scoped counts
+    add up; a kind about hosts is the largest any saw. Nothing until a check has run."""
+
+    def __init__(self) -> None:
+        self._sources: weakref.WeakSet[_DriftSource] = weakref.WeakSet()
+
+    def watch(self, source: _DriftSource) -> None:
+        self._sources.add(source)
+
+    def counts(self) -> dict[str, int] | None:
+        seen = [s.drift_counts for s in list(self._sources) if s.drift_counts is not None]
+        if not seen:
+            return None
+        out = dict.fromkeys(DRIFT_KINDS, 0)
+        for counts in seen:
+            for kind in DRIFT_KINDS:
+                n = counts.get(kind, 0)
+                out[kind] = max(out[kind], n) if kind in _FLEET_KINDS else out[kind] + n
+        return out
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "vmfence_drift",
+            "Drift between the log's end state and the hosts' inventories at the last check, by kind",
+            labels=["kind"],
+        )
+        for kind, n in (self.counts() or {}).items():
+            family.add_metric([kind], n)
+        yield family
+
+
+class _DriftSource(Protocol):
+    @property
+    def drift_counts(self) -> Mapping[str, int] | None: ...
+
+
+DRIFT = DriftGauge()
+REGISTRY.register(DRIFT)

@@ -15,9 +15,11 @@ import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
@@ -35,7 +37,10 @@ from shared.bus.provision import ProvisionFailed, StreamsConfig, provision
 from shared.bus.retry import backoff_delay
 from shared.config import EXIT_CONFIG, start
 from shared.fence.decide import DecideEnv
+from shared.fence.drift import DriftReport, HostVM, InventoryAnswer, drift
+from shared.fence.keys import Key
 from shared.fence.schema import Input
+from shared.fence.state import KeyState
 from shared.httpserve import HealthServer
 from shared.subjects import Subjects
 from shared.tasks import cancel_and_wait, sleep_unless_set
@@ -50,6 +55,9 @@ class StoppedDuringStartup(Exception):
 MEMBER_PREFIX = "member."
 FLEET_LEASE = "fleet"
 FLEET_SYNC_S = 2.0
+INVENTORY_QUERY_TIMEOUT_S = 5.0  # one host's inventory answer (as `vmfence verify` waits)
+DRIFT_REPORTED = 5  # drift items named in the warning line of one check
+_answer = msgspec.json.Decoder(InventoryAnswer)
 
 
 class Reconciler:
@@ -75,6 +83,11 @@ class Reconciler:
         self.health: HealthServer | None = None
         self.effects: EffectRunner | None = None
         self.snapshots: SnapshotStore | None = None
+        self.drift_counts: dict[str, int] | None = None  # by kind, at the last drift check
+        metrics.DRIFT.watch(self)
+
+    def __hash__(self) -> int:  # held in the drift gauge's WeakSet by identity
+        return id(self)
 
     # ------------------------------------------------------------------ environment
     def env(self) -> DecideEnv:
@@ -127,10 +140,12 @@ class Reconciler:
                 snap_task = tg.create_task(self._snapshot_loop())
                 lease_task = tg.create_task(self._lease_loop(leases_kv, tg))
                 fleet_task = tg.create_task(self._fleet_loop(leases_kv, gateway))
+                drift_task = tg.create_task(self._drift_loop())
                 await self._stop.wait()
-                await cancel_and_wait([lease_task], what="lease loop")
+                await cancel_and_wait([drift_task, lease_task], what="lease loop")
                 await self._release_all()
                 await cancel_and_wait([fleet_task, snap_task, hosts_task, effects_task], what="reconciler loop")
+                self.drift_counts = None  # holds no keys: judges nothing
                 self.effects.close()
             with contextlib.suppress(Exception):
                 await leases_kv.delete(MEMBER_PREFIX + self.safe_id())
@@ -296,6 +311,84 @@ class Reconciler:
             except Exception as exc:
                 log.warning("fleet sync failed: %r", exc)
             await asyncio.sleep(interval)
+
+    # ------------------------------------------------------------------------- drift
+    async def _drift_loop(self) -> None:
+        """Every ``drift_interval_s``: the held keys against every live host's inventory."""
+        interval = self.cfg.drift_interval_s
+        if interval <= 0:
+            return
+        while True:
+            await asyncio.sleep(interval)  # a period, not a synchronisation
+            try:
+                await self.check_drift()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("drift check failed: %r", exc)
+
+    async def check_drift(self) -> DriftReport | None:
+        """One look, as `vmfence verify` takes it (services/cli/verify.py) but over the keys this
+        reconciler holds: each reconciler judges its own partitions, whose states it has in memory
+        (no fold of the whole log, no lease to wait for, and a check goes on while any reconciler
+        runs). A host's VM is judged by the holder of its key's partition (a VM naming no key, by
+        the holder of partition 0); quarantined keys are left out (their state is unknown, and
+        ``vmfence_quarantined_keys`` says so). API objects are not listed here: the object kinds
+        stay 0 and are `vmfence verify`'s. None when no partition is held."""
+        assert self.bus is not None
+        held = [part for part in list(self.partitions.values()) if part.held]
+        if not held:
+            self.drift_counts = None
+            return None
+        hosts = [h.name for h in self.hosts.live()]
+        # the hosts first, the log's states after: a VM created meanwhile is in the log before any host has it
+        answers = await asyncio.gather(*(self._inventory(h) for h in hosts))
+        mine = {part.p for part in held}
+        quarantined: set[str] = set()
+        states: dict[str, KeyState] = {}
+        for part in held:
+            quarantined |= part.quarantined.keys()
+            for i, (key, slot) in enumerate(list(part.keys.items())):
+                state = slot.peek()
+                if state.vms:
+                    states[key] = state
+                if i % 1000 == 999:
+                    await asyncio.sleep(0)
+
+        def judged_here(vm: HostVM) -> bool:
+            if vm.key in quarantined:
+                return False
+            try:
+                p = self.subjects.partition(Key.parse(vm.key))
+            except ValueError:
+                p = 0
+            return p in mine
+
+        inventories = {h: None if vms is None else [vm for vm in vms if judged_here(vm)]
+                       for h, vms in zip(hosts, answers, strict=True)}
+        report = drift(states, inventories, [], last_entry_s={}, now_s=time.time())
+        counts = dict.fromkeys(metrics.DRIFT_KINDS, 0)
+        for d in report.drift:
+            counts[d.kind] += 1
+        self.drift_counts = counts
+        metrics.DRIFT_CHECKS.labels("drift" if report.drift else "clean").inc()
+        if report.drift:
+            named = "; ".join(f"{d.kind} {d.key or '-'} {d.host or '-'} {d.vm_id or '-'}"
+                              for d in report.drift[:DRIFT_REPORTED])
+            more = len(report.drift) - DRIFT_REPORTED
+            log.warning("drift: %d between the log and the hosts: %s%s", len(report.drift), named,
+                        f" (and {more} more)" if more > 0 else "", extra={"event": "drift"})
+        return report
+
+    async def _inventory(self, host: str) -> list[HostVM] | None:
+        """A host's inventory over core NATS request/reply; None if it did not answer in time."""
+        assert self.bus is not None
+        try:
+            msg = await self.bus.nc.request(self.subjects.inventory_query(host), b"", timeout=INVENTORY_QUERY_TIMEOUT_S)
+            answer = _answer.decode(msg.data)
+        except (nats.errors.Error, TimeoutError, msgspec.DecodeError):
+            return None
+        return list(answer.vms) if answer.host == host else None
 
     async def _snapshot_loop(self) -> None:
         while True:

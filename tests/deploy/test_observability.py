@@ -29,6 +29,8 @@ METRICS: dict[str, str] = {
     "vmfence_consumer_pending": "gauge",
     "vmfence_effect_seconds": "histogram",
     "vmfence_audit_violations_total": "counter",
+    "vmfence_drift": "gauge",
+    "vmfence_drift_checks_total": "counter",
 }
 # labels each metric carries (beyond job/instance)
 LABELS: dict[str, set[str]] = {
@@ -44,6 +46,8 @@ LABELS: dict[str, set[str]] = {
     "vmfence_effect_seconds": {"kind"},
     "vmfence_partitions_owned": {"reconciler"},
     "vmfence_lease_lost_total": {"reconciler"},
+    "vmfence_drift": {"kind"},
+    "vmfence_drift_checks_total": {"result"},
 }
 REQUIRED_ALERTS = {
     "VmfenceAuditViolation": "critical",
