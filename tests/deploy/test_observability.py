@@ -31,6 +31,8 @@ METRICS: dict[str, str] = {
     "vmfence_audit_violations_total": "counter",
     "vmfence_drift": "gauge",
     "vmfence_drift_checks_total": "counter",
+    "vmfence_quarantined_keys": "gauge",
+    "vmfence_log_undecodable_total": "counter",
 }
 # labels each metric carries (beyond job/instance)
 LABELS: dict[str, set[str]] = {
@@ -48,6 +50,7 @@ LABELS: dict[str, set[str]] = {
     "vmfence_lease_lost_total": {"reconciler"},
     "vmfence_drift": {"kind"},
     "vmfence_drift_checks_total": {"result"},
+    "vmfence_quarantined_keys": {"partition"},
 }
 REQUIRED_ALERTS = {
     "VmfenceAuditViolation": "critical",
