@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import gc
 import importlib.metadata
 import sys
 import time
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import msgspec
@@ -20,7 +18,7 @@ from rich.table import Table
 from services.cli.common import CliError, open_bus
 from services.cli.decisions import stamp
 from shared.bus.connect import mask_url
-from shared.bus.logstream import EXPORT_MAGIC, Record, encode_record, iter_export, read_log
+from shared.bus.logstream import EXPORT_MAGIC, Record, encode_record, iter_export_stream, read_log
 from shared.fence.audit import Auditor, AuditReport
 
 
@@ -87,21 +85,20 @@ class AuditRun:
         return self.auditor.report(final=final)
 
 
-def _read_export(path: str) -> bytes:
-    """An export file's bytes; ``-`` reads standard input (``vmfence export | vmfence replay --file -``)."""
-    if path == "-":
-        return sys.stdin.buffer.read()
-    return Path(path).read_bytes()
+def _feed_export(run: AuditRun, path: str) -> None:
+    """Feed an export file (``-``: standard input, as in ``vmfence export | vmfence replay --file -``)
+    to the audit as it is read, a chunk at a time."""
+    with contextlib.nullcontext(sys.stdin.buffer) if path == "-" else open(path, "rb") as f:
+        for rec in iter_export_stream(f):
+            run.feed(rec)
 
 
 async def _audit(args: argparse.Namespace) -> AuditRun:
     if args.file:
         run = AuditRun(Origin("file", args.file), keep=bool(args.html))
         try:
-            data = await asyncio.to_thread(_read_export, args.file)
-            for rec in iter_export(data):
-                run.feed(rec)
-        except (OSError, ValueError) as exc:
+            _feed_export(run, args.file)  # CPU-bound, and nothing else runs meanwhile
+        except (OSError, ValueError, msgspec.DecodeError) as exc:
             raise CliError(f"cannot read {args.file}: {exc}") from None
         return run
     bus = await open_bus(args.nats, "vmfence-replay")

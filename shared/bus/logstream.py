@@ -9,6 +9,7 @@ import datetime
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import msgspec
 from nats.aio.msg import Msg
@@ -198,6 +199,31 @@ def iter_export(data: bytes) -> Iterator[Record]:
             raise ValueError(f"export file truncated at byte {pos}")
         yield _rec_decoder.decode(data[pos : pos + n])
         pos += n
+
+
+EXPORT_CHUNK_BYTES = 4 * 1024 * 1024  # read at a time from an export stream
+
+
+def iter_export_stream(f: BinaryIO) -> Iterator[Record]:
+    """Records of an export read from a file or pipe a chunk at a time: a replay holds one chunk,
+    never the whole file (its memory is the audit's, bounded by the keys, not by the log's length)."""
+    head = f.read(len(EXPORT_MAGIC))
+    if head != EXPORT_MAGIC:
+        raise ValueError("not a vmfence export file (bad magic line)")
+    buf = memoryview(b"")
+    offset = len(EXPORT_MAGIC)
+    while True:
+        while len(buf) < 4 or len(buf) < 4 + int.from_bytes(buf[:4], "big"):
+            more = f.read(EXPORT_CHUNK_BYTES)
+            if not more:
+                if buf:
+                    raise ValueError(f"export file truncated at byte {offset}")
+                return
+            buf = memoryview(bytes(buf) + more)
+        n = int.from_bytes(buf[:4], "big")
+        yield _rec_decoder.decode(buf[4 : 4 + n])
+        buf = buf[4 + n :]
+        offset += 4 + n
 
 
 def audit_records(records: Iterable[Record], *, final: bool = True) -> AuditReport:
