@@ -52,3 +52,6 @@ def setup_logging(fmt: str = "json", level: str = "info") -> None:
     root.setLevel(level.upper())
     logging.getLogger("nats").setLevel(logging.WARNING)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    # aiosqlite logs every statement with its parameters at DEBUG: the agent's ledger holds VNC
+    # passwords, and a secret never enters a log line, whatever the level
+    logging.getLogger("aiosqlite").setLevel(logging.WARNING)

@@ -129,6 +129,11 @@ class Subjects:
         (``vmfence verify``); only read-only identities may ask, only that host's agent answers."""
         return f"{self.prefix}.agent.{encode_token(host)}.inventory"
 
+    def vnc_query(self, host: str) -> str:
+        """Core NATS request/reply: a host's agent answers with a VM's VNC address and password to
+        its owner fence (``vmfence vnc``); only ``operator`` may ask, only that host's agent answers."""
+        return f"{self.prefix}.agent.{encode_token(host)}.vnc"
+
     def dlq(self, source: str) -> str:
         return f"{self.prefix}.dlq.{encode_token(source)}"
 

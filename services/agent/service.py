@@ -36,7 +36,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.kv import KeyValue
 
-from services.agent.answers import inventory_responder
+from services.agent.answers import inventory_responder, vnc_responder
 from services.agent.config import AgentConfig
 from services.agent.executor import Executor, VMLocks, labels_fence
 from services.agent.ledger import LEDGER_FILE, TRANSIENT_STATES, Ledger, is_write_failure
@@ -602,10 +602,13 @@ class Agent:
 
     # ------------------------------------------------------------------ inventory & heartbeat
     async def _answer_queries(self) -> None:
-        """Answer ``vmfence verify``'s inventory queries (read-only; ended with the connection)."""
+        """Answer ``vmfence verify``'s inventory queries and ``vmfence vnc``'s display questions
+        (read-only; ended with the connection)."""
         assert self.bus is not None
         await self.bus.nc.subscribe(self.subjects.inventory_query(self.config.host),
                                     cb=inventory_responder(self.config.host, self.ledger, self.driver))
+        await self.bus.nc.subscribe(self.subjects.vnc_query(self.config.host),
+                                    cb=vnc_responder(self.config.host, self.ledger, self.config.vnc_listen))
 
     async def inventory(self) -> str:
         """Publish one Inventoried per VM (ledger plus runtime) and return the round id."""

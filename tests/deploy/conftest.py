@@ -21,6 +21,7 @@ NATS_PASSWORD_ENV = {
     "VMFENCE_NATS_AGENT_HOST_B_PASSWORD": "test-agent-b",
     "VMFENCE_NATS_AGENT_HOST_C_PASSWORD": "test-agent-c",
     "VMFENCE_NATS_AUDIT_PASSWORD": "test-audit",
+    "VMFENCE_NATS_OPERATOR_PASSWORD": "test-operator",
     "VMFENCE_NATS_ADMIN_PASSWORD": "test-admin",
 }
 

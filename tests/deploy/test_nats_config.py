@@ -215,6 +215,7 @@ USERS = {
     "agent-host-a": "VMFENCE_NATS_AGENT_HOST_A_PASSWORD",
     "agent-host-b": "VMFENCE_NATS_AGENT_HOST_B_PASSWORD",
     "audit": "VMFENCE_NATS_AUDIT_PASSWORD",
+    "operator": "VMFENCE_NATS_OPERATOR_PASSWORD",
     "admin": "VMFENCE_NATS_ADMIN_PASSWORD",
 }
 
@@ -612,3 +613,45 @@ async def test_an_agent_reports_only_under_its_own_host(nats_url: str) -> None:
     finally:
         await agent.nc.close()
 
+
+
+async def test_vnc_questions_only_operator_asks_and_only_it_reads_the_answer(nats_url: str) -> None:
+    """`vmfence vnc` asks a host's agent for a VM's VNC password: operator may ask and read the
+    answer on its private reply subjects (_VNC_INBOX.>); audit and the watcher may not ask, audit may
+    not read those replies, and host-b's agent may not listen to host-a's question."""
+    agent_a = await connect(nats_url, "agent-host-a")
+    agent_b = await connect(nats_url, "agent-host-b")
+    operator = await connect(nats_url, "operator")
+    audit = await connect(nats_url, "audit")
+    watcher = await connect(nats_url, "watcher")
+    subject = "vmfence.agent.host-a.vnc"
+    try:
+        async def answer(msg: nats.aio.msg.Msg) -> None:
+            await msg.respond(b"display and password")
+
+        await agent_a.nc.subscribe(subject, cb=answer)
+        await agent_a.nc.flush()
+        got: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_reply(msg: nats.aio.msg.Msg) -> None:
+            await got.put(msg.data)
+
+        await operator.nc.subscribe("_VNC_INBOX.t1", cb=on_reply)
+        await operator.nc.publish(subject, b"{}", reply="_VNC_INBOX.t1")
+        await operator.nc.flush()
+        assert await asyncio.wait_for(got.get(), 2) == b"display and password"
+        assert operator.violations() == []
+        # audit may read every _INBOX.> reply, not the operator's private ones
+        await audit.nc.subscribe("_VNC_INBOX.>")
+        await audit.nc.flush()
+        await audit.wait_violation("_VNC_INBOX.>")
+        await agent_b.nc.subscribe(subject)  # listening to another host's questions
+        await agent_b.nc.flush()
+        await agent_b.wait_violation(subject)
+        for asker in (audit, watcher, agent_b):
+            await asker.nc.publish(subject, b"{}", reply="_INBOX.x")
+            await asker.nc.flush()
+            await asker.wait_violation(subject)
+    finally:
+        for c in (agent_a, agent_b, operator, audit, watcher):
+            await c.nc.close()
