@@ -19,8 +19,10 @@ from shared.fence.schema import CommandResult, Fence, Input
 from shared.fence.vnc import VNC_REPLY_PREFIX, VncQuery
 from shared.logs import setup_logging
 from shared.subjects import Subjects
+from tests.runtime.rfb import OPENSSL, SEC_VNC_AUTH, security_types, vnc_login
 
 from .conftest import HOST, Reports, command, fence, send, sim_driver
+from .test_vnc_reservation import QEMU_MISSING, qemu_leftovers  # noqa: F401 - a fixture: kills a VM a failed test leaves
 
 
 def is_result(cid: str) -> Callable[[Input], bool]:
@@ -85,3 +87,29 @@ async def _ask_as_owner_and_others(nc: Client, reports: Reports, make_config: Ca
         assert b"bad_request" in bad.data and password.encode() not in bad.data
         assert (await ask(bus, HOST, VncQuery("v-1", new))).password == password
     return password
+
+
+@pytest.mark.qemu
+@pytest.mark.skipif(QEMU_MISSING, reason="qemu-system-x86_64 / qemu-img not installed")
+@pytest.mark.skipif(OPENSSL is None, reason="openssl not installed")
+@pytest.mark.usefixtures("qemu_leftovers")
+async def test_the_answered_password_opens_the_qemu_vms_display(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig]
+) -> None:
+    """What `vmfence vnc` is told (address, port, password) opens the real VM's display; what a
+    predecessor's fence is told opens nothing."""
+    cfg = make_config(runtime="qemu", accel="tcg", vnc_range=range(80, 90), vnc_listen="127.0.0.1")  # 5980-5989
+    old, new = fence(1), fence(2)
+    bus = Bus(nc=nc, js=nc.jetstream(), subjects=Subjects())
+    async with Agent(cfg):
+        await send(nc, command("create", "q-ask", old))
+        created = await reports.wait(is_result(command("create", "q-ask", old).id), 60)
+        assert isinstance(created, CommandResult) and created.outcome == "ok", created
+        assert await run(nc, reports, command("adopt", "q-ask", new)) == "ok"
+        answer = await ask(bus, HOST, VncQuery("q-ask", new))
+        assert answer.refused is None and answer.port == created.vnc_port
+        assert await security_types(answer.listen, answer.port) == [SEC_VNC_AUTH]
+        assert await vnc_login(answer.listen, answer.port, answer.password)
+        stale = await ask(bus, HOST, VncQuery("q-ask", old))
+        assert stale.refused == "not_owner" and not stale.password
+        assert (await run(nc, reports, command("remove", "q-ask", new))) == "ok"
