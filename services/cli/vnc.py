@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import secrets
 from typing import Any
 
@@ -20,6 +21,7 @@ import nats.errors
 
 from services.cli.common import CliError, load_stack, open_bus
 from shared.bus.connect import Bus
+from shared.bus.connect import log as bus_log
 from shared.fence.keys import Key
 from shared.fence.podspec import key_of_pod, uid_of
 from shared.fence.schema import MAX_EPOCH, Fence
@@ -70,6 +72,11 @@ async def _read_pod(kubeconfig: str, namespace: str, name: str) -> dict[str, Any
         try:
             resp: Any = await client.CoreV1Api(api).read_namespaced_pod(
                 name, namespace, _preload_content=False, _request_timeout=READ_TIMEOUT_S)
+            status = int(getattr(resp, "status", 200))  # unread responses do not raise on an error
+            if status == 404:
+                raise CliError(f"no pod {namespace}/{name}")
+            if status >= 400:
+                raise CliError(f"cannot read pod {namespace}/{name}: HTTP {status}")
             pod: dict[str, Any] = await resp.json()
         except ApiException as exc:
             if exc.status == 404:
@@ -98,9 +105,33 @@ def placement(pod: dict[str, Any]) -> tuple[str, str, Fence]:
     return host, vm_id, Fence(str(key), uid_of(pod), n)
 
 
+class _Refusals(logging.Filter):
+    """Takes the bus's asynchronous "permissions violation" warnings out of the output (the
+    command says it once, in its own line) and remembers that one came."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "permissions violation" in record.getMessage().lower():
+            self.seen = True
+            return False
+        return True
+
+
 async def ask(bus: Bus, host: str, query: VncQuery, timeout: float = QUERY_TIMEOUT_S) -> VncAnswer:  # noqa: ASYNC109
     """Ask ``host``'s agent, the answer on a private reply subject (not ``_INBOX.``, which every
     identity may read)."""
+    refusals = _Refusals()
+    bus_log.addFilter(refusals)
+    try:
+        return await _ask(bus, host, query, timeout, refusals)
+    finally:
+        bus_log.removeFilter(refusals)
+
+
+async def _ask(bus: Bus, host: str, query: VncQuery, timeout: float, refusals: _Refusals) -> VncAnswer:  # noqa: ASYNC109
     reply = f"{VNC_REPLY_PREFIX}.{secrets.token_hex(16)}"
     got: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
@@ -121,6 +152,9 @@ async def ask(bus: Bus, host: str, query: VncQuery, timeout: float = QUERY_TIMEO
     try:
         data = await asyncio.wait_for(got, timeout)
     except TimeoutError:
+        if refusals.seen:
+            raise CliError("NATS refused the question: this identity may not ask for VNC passwords "
+                           "(VMFENCE_NATS_USER=operator)") from None
         raise CliError(f"host {host}'s agent did not answer within {timeout:g}s (not running, or this NATS "
                        "user may not ask: VMFENCE_NATS_USER=operator)") from None
     finally:
