@@ -109,8 +109,17 @@ def _fence_json(key: str, uid: str, epoch: int | str) -> str:
     return json.dumps([key, uid, 0]).replace(", 0]", f", {epoch}]")
 
 
-def _hostile_messages(rng: random.Random, live: dict[str, tuple[str, str, str, int]]) -> list[tuple[str, bytes]]:
-    """(kind, payload) pairs; ``live`` maps key -> (uid, host, vm_id, epoch) of the steady pods."""
+# What the agent of the VM's own host may legitimately claim: a fence above the log's epoch, or a VM
+# of another uid at a higher epoch, is evidence of a lost log tail (decide.cut_evidence) when that
+# host says it, and a rebuild follows by design. From its own host these are not hostile; the
+# campaign sends them as everyone else (whom NATS refuses, or the log's placement contradicts).
+HOST_EVIDENCE_KINDS = frozenset({"future_command", "foreign_inventory"})
+
+
+def _hostile_messages(rng: random.Random,
+                      live: dict[str, tuple[str, str, str, int]]) -> tuple[str, list[tuple[str, bytes]]]:
+    """The VM's host and (kind, payload) pairs; ``live`` maps key -> (uid, host, vm_id, epoch) of the
+    steady pods."""
     key, (uid, host, vm_id, epoch) = rng.choice(sorted(live.items()))
     other_host = next(h for h in HOSTS if h != host)
     f = Fence(key, uid, epoch)
@@ -139,7 +148,7 @@ def _hostile_messages(rng: random.Random, live: dict[str, tuple[str, str, str, i
                                                  vm_id="intruder-vm", state="running"))),
     ]
     rng.shuffle(out)
-    return out
+    return host, out
 
 
 def _identity(stack: LocalStack, user: str) -> tuple[str, str | None]:
@@ -175,8 +184,12 @@ class HostileCampaign:
                              live: dict[str, tuple[str, str, str, int]]) -> None:
         subjects = stack.subjects
         for _ in range(max(1, MESSAGES_PER_BATCH // 20)):
-            for kind, payload in _hostile_messages(rng, live):
-                user = rng.choice(sorted(conns))
+            vm_host, messages = _hostile_messages(rng, live)
+            for kind, payload in messages:
+                users = sorted(conns)
+                if kind in HOST_EVIDENCE_KINDS:
+                    users = [u for u in users if u != f"agent-{vm_host}"]
+                user = rng.choice(users)
                 key = Key.parse(rng.choice(sorted(live)))
                 host = user.removeprefix("agent-") if user.startswith("agent-") else rng.choice(HOSTS)
                 targets = [subjects.report(key), subjects.host_report(key, host), subjects.observation(key)]
@@ -215,12 +228,18 @@ class HostileCampaign:
         return False
 
     async def _steady(self, core: client.CoreV1Api) -> dict[str, tuple[str, str, str, int]]:
+        """Each steady pod's (uid, host, vm id, epoch) from its annotations; a pod that lost its
+        binding (or itself) shows as ("", "", "", 0) — the caller counts that as a VM change."""
         out = {}
         for i in range(STEADY):
-            p = await core.read_namespaced_pod(f"steady-{i}", NS)
+            try:
+                p = await core.read_namespaced_pod(f"steady-{i}", NS)
+            except ApiException:
+                out[f"{NS}/steady-{i}"] = ("", "", "", 0)
+                continue
             ann = p.metadata.annotations or {}
-            out[f"{NS}/steady-{i}"] = (p.metadata.uid, ann["vmfence.io/host"], ann["vmfence.io/vm-id"],
-                                       int(ann["vmfence.io/epoch"]))
+            out[f"{NS}/steady-{i}"] = (p.metadata.uid, ann.get("vmfence.io/host", ""), ann.get("vmfence.io/vm-id", ""),
+                                       int(ann.get("vmfence.io/epoch") or 0))
         return out
 
     async def _vm_owners(self, stack: LocalStack) -> dict[str, str]:
