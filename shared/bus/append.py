@@ -10,7 +10,7 @@ import nats.js.errors
 from nats.js import JetStreamContext, api
 
 from shared.bus.read import last_on_subject
-from shared.bus.retry import Retry
+from shared.bus.retry import Retry, retry_transient
 from shared.bus.wire import (
     ERR_WRONG_LAST_SEQUENCE,
     H_EXPECTED_LAST_SUBJECT_SEQ,
@@ -84,21 +84,11 @@ async def fenced_append(
 
 async def _resolve_wrong_last(js: JetStreamContext, stream: str, subject: str, msg_id: str, expected: int) -> int:
     """10071: a benign retry if the subject's last message is ours, else a lost race."""
-    retry = Retry()
-    while True:
-        try:
-            last = await last_on_subject(js, stream, subject)
-            break
-        except nats.js.errors.APIError as exc:
-            if not retriable_api_error(exc):
-                raise
-            last_error: BaseException = exc
-        except TRANSIENT as exc:
-            last_error = exc
-        if not await retry.backoff():
-            raise AppendFailed(
-                f"append to {subject}: wrong last sequence and its last message is unreadable: {last_error!r}"
-            ) from last_error
+    last = await retry_transient(
+        lambda: last_on_subject(js, stream, subject),
+        lambda err, _: AppendFailed(
+            f"append to {subject}: wrong last sequence and its last message is unreadable: {err!r}"),
+    )
     if last is not None and last.headers.get(H_MSG_ID) == msg_id:
         return last.seq
     raise LostRace(subject, expected, None if last is None else last.seq)
@@ -111,20 +101,10 @@ async def publish_retrying(
     js: JetStreamContext, subject: str, payload: bytes, headers: dict[str, str], request_timeout_s: float
 ) -> api.PubAck:
     """Synchronous publish with bounded retries on transient errors (leader election, timeouts)."""
-    retry = Retry()
-    while True:
-        try:
-            return await js.publish(subject, payload, timeout=request_timeout_s, headers=dict(headers))
-        except nats.js.errors.APIError as exc:
-            if not retriable_api_error(exc):
-                raise
-            last_error: BaseException = exc
-        except TRANSIENT as exc:
-            last_error = exc
-        if not await retry.backoff():
-            raise AppendFailed(
-                f"publish to {subject} unconfirmed after {retry.attempt} attempts: {last_error!r}"
-            ) from last_error
+    return await retry_transient(
+        lambda: js.publish(subject, payload, timeout=request_timeout_s, headers=dict(headers)),
+        lambda err, retry: AppendFailed(f"publish to {subject} unconfirmed after {retry.attempt} attempts: {err!r}"),
+    )
 
 
 async def publish_input(

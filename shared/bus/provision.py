@@ -20,8 +20,8 @@ import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext, api
 
-from shared.bus.retry import Retry
-from shared.bus.wire import ERR_STREAM_NAME_IN_USE, META_PARTITIONS, TRANSIENT, retriable_api_error
+from shared.bus.retry import retry_transient
+from shared.bus.wire import ERR_STREAM_NAME_IN_USE, META_PARTITIONS
 from shared.fence.keys import DEFAULT_PARTITIONS
 from shared.subjects import Subjects
 
@@ -215,20 +215,11 @@ async def _ensure_stream(js: JetStreamContext, want: api.StreamConfig, partition
 
 async def _ensure_stream_retrying(js: JetStreamContext, want: api.StreamConfig, partitions: int | None) -> None:
     """_ensure_stream is idempotent, so a timeout or a busy/leaderless cluster is simply retried."""
-    retry = Retry()
-    while True:
-        try:
-            await _ensure_stream(js, want, partitions)
-            return
-        except nats.js.errors.APIError as exc:
-            if not retriable_api_error(exc):
-                raise
-            last_error: BaseException = exc
-        except TRANSIENT as exc:
-            last_error = exc
-        log.debug("provision %s: retry after %r", want.name, last_error)
-        if not await retry.backoff():
-            raise ProvisionFailed(f"provisioning {want.name} failed: {last_error!r}") from last_error
+    await retry_transient(
+        lambda: _ensure_stream(js, want, partitions),
+        lambda err, _: ProvisionFailed(f"provisioning {want.name} failed: {err!r}"),
+        on_retry=lambda err: log.debug("provision %s: retry after %r", want.name, err),
+    )
 
 
 async def provision(js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig) -> None:

@@ -18,8 +18,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
-from shared.bus.retry import Retry
-from shared.bus.wire import TRANSIENT, retriable_api_error
+from shared.bus.retry import Retry, retry_transient
 
 log = logging.getLogger(__name__)
 
@@ -191,19 +190,11 @@ async def _read_stream_once(
         num_replicas=1,
         max_waiting=16,
     )
-    retry = Retry()
-    while True:  # a consumer create can time out while a restarted node rejoins: bounded retry
-        try:
-            cinfo = await js._jsm.add_consumer(stream, config=cfg, timeout=READ_TIMEOUT_S)
-            break
-        except nats.js.errors.APIError as exc:
-            if not retriable_api_error(exc):
-                raise
-            last_error: BaseException = exc
-        except TRANSIENT as exc:
-            last_error = exc  # an orphan from a lost reply expires by inactive_threshold
-        if not await retry.backoff():
-            raise last_error
+    # a consumer create can time out while a restarted node rejoins: bounded retry (an orphan from
+    # a lost reply expires by inactive_threshold)
+    cinfo = await retry_transient(
+        lambda: js._jsm.add_consumer(stream, config=cfg, timeout=READ_TIMEOUT_S), lambda err, _: err
+    )
     consumer = cinfo.name
 
     inbox = nc.new_inbox()

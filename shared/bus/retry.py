@@ -5,8 +5,15 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
+import nats.js.errors
+
+from shared.bus.wire import TRANSIENT, retriable_api_error
 from shared.tasks import sleep_unless_set
+
+T = TypeVar("T")
 
 # A JetStream leader election answers "no responders"/503 at once for a few seconds, so retries
 # are bounded by a time budget as well as a count.
@@ -44,3 +51,31 @@ class Retry:
             return not await sleep_unless_set(stop, delay)
         await asyncio.sleep(delay)
         return True
+
+
+async def retry_transient(
+    call: Callable[[], Awaitable[T]],
+    give_up: Callable[[BaseException, Retry], BaseException],
+    *,
+    on_retry: Callable[[BaseException], None] | None = None,
+) -> T:
+    """``call()`` until it succeeds, retrying (bounded by one Retry) what a retry may cure: a
+    retriable JetStream API error or a transient request failure. Any other error is raised at
+    once; when the retries are spent, ``give_up(last_error, retry)`` is raised from the last one."""
+    retry = Retry()
+    while True:
+        try:
+            return await call()
+        except nats.js.errors.APIError as exc:
+            if not retriable_api_error(exc):
+                raise
+            last_error: BaseException = exc
+        except TRANSIENT as exc:
+            last_error = exc
+        if on_retry is not None:
+            on_retry(last_error)
+        if not await retry.backoff():
+            final = give_up(last_error, retry)
+            if final is last_error:
+                raise last_error
+            raise final from last_error
