@@ -16,8 +16,10 @@ in minutes, and its equivalent mutants carry their argument in the code review, 
 cache. The cost — a check nobody listed is not mutated — is what the review of each new fence
 check (and the exactly-once test) is for.
 
-Entries for ``shared/fence/decide.py`` and ``services/agent/executor.py`` were written against
-the code as committed when the catalogue was last revised (see the commit that touched them).
+The entries for code that was being restructured while the catalogue was written —
+``shared/fence/decide.py`` (as of 3eb5b24), ``services/agent/executor.py`` (c58fcde), the agent's
+fence tables ``shared/fence/agentfence.py`` (808f2b5) and its op steps ``services/agent/ops``
+(2328562) — were written last, against those commits; the exactly-once test says when they drift.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Mutant:
 KERNEL = (
     "tests/unit/test_fence_regressions.py",
     "tests/unit/test_rules.py",
+    "tests/unit/test_rule2_claim.py",
     "tests/unit/test_audit.py",
     "tests/unit/test_audit_rebuild.py",
     "tests/unit/test_properties.py",
@@ -50,6 +53,7 @@ KUBE = ("tests/kube/test_fence_regressions.py", "tests/kube/test_gateway.py")
 LEDGER = ("tests/agent/test_ledger.py", "tests/agent/test_fence_regressions.py")
 AGENT = (
     "tests/agent/test_fence_regressions.py",
+    "tests/unit/test_agent_fence.py",
     "tests/agent/test_ledger.py",
     "tests/unit/test_agent_key_epoch.py",
     "tests/agent/test_agent.py",
@@ -61,6 +65,10 @@ KUBE_PY = "services/reconciler/kube.py"
 LEDGER_PY = "services/agent/ledger.py"
 DECIDE = "shared/fence/decide.py"
 EXECUTOR = "services/agent/executor.py"
+AGENTFENCE = "shared/fence/agentfence.py"
+BRINGUP = "services/agent/ops/bringup.py"
+ADOPT = "services/agent/ops/adopt.py"
+TEARDOWN = "services/agent/ops/teardown.py"
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -247,6 +255,248 @@ MUTANTS: tuple[Mutant, ...] = (
         '            body = {"metadata": {"annotations": ann}}\n',
         "rule 4: the runtime annotations patch carries metadata.uid",
         KUBE,
+    ),
+    # ------------------------------------------------------- the kernel's rules (shared/fence/decide.py)
+    Mutant(
+        "decide-write-done-of-any-fence", DECIDE,
+        "    if cur is None or cur.fence != w.fence:\n        return\n",
+        "    if cur is None:\n        return\n",
+        "rule 4/5: a write's answer is applied only to the incarnation it was written for (a superseded "
+        "incarnation's final delete answer must not forget its successor)",
+        KERNEL,
+    ),
+    Mutant(
+        "decide-probe-of-any-fence", DECIDE,
+        "if cur is None or cur.fence != p.fence or cur.vm_id != p.vm_id",
+        "if cur is None or cur.vm_id != p.vm_id",
+        "rule 4: probe results count only under the current fence (after adoption the same VM is probed "
+        "under the predecessor's fence)",
+        KERNEL,
+    ),
+    Mutant(
+        "decide-restart-timer-after-delete-claim", DECIDE,
+        "cur.vm_id == p.vm_id and not cur.deleting:",
+        "cur.vm_id == p.vm_id:",
+        "rule 12/5: a restart timer firing after a delete claim re-checks and sends nothing",
+        KERNEL,
+    ),
+    Mutant(
+        "decide-restart-backoff-uncapped", DECIDE,
+        "run.env.restart_backoff_base_s * (2 ** (count - 1)), run.env.restart_backoff_max_s",
+        "run.env.restart_backoff_base_s * (2 ** (count - 1)), float(\"inf\")",
+        "rule 7: exponential restart backoff, capped (300 s by default)",
+        KERNEL,
+    ),
+    Mutant(
+        "decide-superseded-observation-applied", DECIDE,
+        "    if s.is_tombstoned(o.uid):\n"
+        "        run.add(Skipped(\"superseded\", o.uid, \"observation of a superseded incarnation\"))\n"
+        "        return\n",
+        "",
+        "rule 3/5: every later input for a tombstoned uid is Skipped(superseded), never applied",
+        KERNEL,
+    ),
+    Mutant(
+        "decide-admitted-without-confirmation", DECIDE,
+        "        return  # deletion of an incarnation we never admitted: nothing of ours to undo\n"
+        "    _request_confirm(run, o.uid)\n",
+        "        return  # deletion of an incarnation we never admitted: nothing of ours to undo\n"
+        "    _admit(run, ConfirmedRead(s.key, \"\", o.uid, o.resource_version, spec=o.spec))\n",
+        "rule 3: a new uid becomes current only on a consistent read, never on a watch event",
+        KERNEL,
+    ),
+    Mutant(
+        "decide-epoch-reused", DECIDE,
+        "    fence = Fence(s.key, r.uid, s.epoch + 1)\n",
+        "    fence = Fence(s.key, r.uid, s.epoch)\n",
+        "rule 3/4: every new incarnation gets a new epoch (never reuse)",
+        KERNEL,
+    ),
+    Mutant(
+        "decide-result-of-another-fence-applied", DECIDE,
+        "    if cmd.fence != r.fence or cmd.vm_id != r.vm_id:\n",
+        "    if False:\n",
+        "rule 4: a result whose fence or VM contradicts its command is Skipped(stale_effect), never applied",
+        KERNEL,
+    ),
+    Mutant(
+        "decide-stale-bring-up-bound", DECIDE,
+        "    if cur is not None and cur.fence == cmd.fence and not cur.deleting and cur.vm_id == cmd.vm_id:\n",
+        "    if cur is not None and not cur.deleting and cur.vm_id == cmd.vm_id:\n",
+        "rule 4: a create/start/wake that took is bound only under the current fence, else removed",
+        KERNEL,
+    ),
+    Mutant(
+        "decide-delete-claimed-twice", DECIDE,
+        "    if cur.delete_claim:\n        if gone and not _vms_of(s, cur):\n",
+        "    if False:\n        if gone and not _vms_of(s, cur):\n",
+        "rule 5: a delete already in flight waits; it is never claimed (and its VMs removed) twice",
+        KERNEL,
+    ),
+    Mutant(
+        "decide-eviction-under-a-delete-claim", DECIDE,
+        "    if cur.delete_claim:\n        run.add(EvictionDeferred(cur.fence, g.vm_id))\n",
+        "    if False:\n        run.add(EvictionDeferred(cur.fence, g.vm_id))\n",
+        "rule 7: VM-gone under a delete claim defers the eviction (resolved by the delete), never evicts",
+        KERNEL,
+    ),
+    Mutant(
+        "decide-second-vm-beside-the-first", DECIDE,
+        "    if s.vms:\n        return  # another VM of the key",
+        "    if False:\n        return  # another VM of the key",
+        "never two VMs for one key: a successor's VM waits until every other VM of the key is released",
+        KERNEL,
+    ),
+    Mutant(
+        "decide-old-absent-read-deletes", DECIDE,
+        "        if cur is not None and asked.at < cur.admitted_at:\n",
+        "        if False:\n",
+        "rule 3/12: an absent answer to a read asked before the current admission deletes nothing",
+        KERNEL,
+    ),
+    Mutant(
+        "decide-exit-of-any-fence", DECIDE,
+        "    if rec is None or rec.fence != e.fence or cur is None or cur.fence != e.fence:\n",
+        "    if rec is None or cur is None:\n",
+        "rule 4/7: a VM exit is acted on only under the fence that owns the VM and is current",
+        KERNEL,
+    ),
+    Mutant(
+        "decide-inconclusive-adopt-trusted", DECIDE,
+        "_row(_adopted, _adopt_lost, _fenced, _adopt_lost, _adopt_again)",
+        "_row(_adopted, _adopt_lost, _fenced, _adopt_lost, _adopted)",
+        "rule 8: an inconclusive inspect is retried, never trusted",
+        KERNEL,
+    ),
+    Mutant(
+        "decide-failed-bring-up-releases-any-claim", DECIDE,
+        "    if rec is not None and rec.fence == cmd.fence:\n",
+        "    if rec is not None:\n",
+        "rule 2: a failed bring-up releases only a claim it still owns",
+        KERNEL,
+    ),
+    # ------------------------------------- the agent's fence checks (executor, its steps, the tables)
+    Mutant(
+        "exec-ledger-owner-unchecked", EXECUTOR,
+        "row.fence if row else None,",
+        "None,",
+        "rule 4: the agent refuses a command the VM's owner fence in its ledger does not allow",
+        AGENT,
+    ),
+    Mutant(
+        "exec-key-mark-unchecked", EXECUTOR,
+        "                self._check_mark(cmd)\n",
+        "",
+        "rule 4: nothing decided under a fence older than the key's mark (or a rival at it) makes or "
+        "wakes a VM",
+        AGENT,
+    ),
+    Mutant(
+        "exec-key-mark-never-raised", EXECUTOR,
+        "                if raises_mark(cmd.op):\n",
+        "                if False:\n",
+        "rule 4: a command raises the key's mark to its fence (so an older one is refused afterwards)",
+        AGENT,
+    ),
+    Mutant(
+        "exec-buried-vm-brought-back", EXECUTOR,
+        "tomb.reason if tomb else None))",
+        "None))",
+        "rule 4/11: a removed, hibernated or lost vm_id is never brought back by a late create/start/wake",
+        AGENT,
+    ),
+    Mutant(
+        "agentfence-other-keys-vm", AGENTFENCE,
+        "    if fence.key != owner.key:\n        return \"other_key\"\n",
+        "",
+        "rule 4: a command of another key never touches the VM",
+        AGENT,
+    ),
+    Mutant(
+        "agentfence-older-than-owner", AGENTFENCE,
+        "    if fence.epoch < owner.epoch:\n        return \"older\"\n",
+        "",
+        "rule 4: a command older than the VM's owner is refused (a remove too: cleanup is the owner's own)",
+        AGENT,
+    ),
+    Mutant(
+        "agentfence-rival-at-the-owners-epoch", AGENTFENCE,
+        "    if fence.epoch == owner.epoch:\n        return \"rival\"\n",
+        "",
+        "rule 4: at the owner's epoch only the owner's uid may touch the VM",
+        AGENT,
+    ),
+    Mutant(
+        "agentfence-newer-fence-brings-up", AGENTFENCE,
+        '    "bring_up":  ("allow", "allow", "other_key", "older_than_owner", "epoch_owned", "only_adopt_moves"),\n',
+        '    "bring_up":  ("allow", "allow", "other_key", "older_than_owner", "epoch_owned", "allow"),\n',
+        "rule 4/8: only adopt moves a VM to a newer incarnation",
+        AGENT,
+    ),
+    Mutant(
+        "agentfence-below-the-mark", AGENTFENCE,
+        "    if fence.epoch < mark:\n        return \"below\"\n",
+        "",
+        "rule 4: a fence older than the key's mark is refused",
+        AGENT,
+    ),
+    Mutant(
+        "agentfence-rival-at-the-mark", AGENTFENCE,
+        "    if fence.epoch == mark and mark_uid and fence.uid and fence.uid != mark_uid:\n        return \"rival\"\n",
+        "",
+        "lost tail: the key's mark epoch under another uid is refused (and shows a cut nobody saw)",
+        AGENT,
+    ),
+    Mutant(
+        "agentfence-buried-brought-back", AGENTFENCE,
+        "    \"bring_up\": \"buried\",\n",
+        "    \"bring_up\": \"allow\",\n",
+        "rule 4/11: a buried vm_id is never brought back",
+        AGENT,
+    ),
+    Mutant(
+        "ops-wake-without-a-snapshot", BRINGUP,
+        "        if not snapshot:\n"
+        '            raise Answer("failed", "wake without a snapshot (never a blank VM)")\n',
+        "",
+        "rule 10: a wake restores from a snapshot, never a blank VM",
+        AGENT,
+    ),
+    Mutant(
+        "ops-create-over-a-labelled-vm", BRINGUP,
+        "                ex.check_owner(cmd, labels_fence(info.labels))\n",
+        "                pass\n",
+        "rule 4: a create finding a VM the ledger lost checks the owner fence on its labels",
+        AGENT,
+    ),
+    Mutant(
+        "ops-adopt-doubt-taken-as-failure", ADOPT,
+        "        info = await ex.inspect(cmd.vm_id, failure=\"inconclusive\")",
+        "        info = await ex.inspect(cmd.vm_id)",
+        "rule 8: an adopt's inspect that fails is inconclusive (retried), never a failure that "
+        "releases the VM",
+        AGENT,
+    ),
+    Mutant(
+        "ops-adopt-buried-vm", ADOPT,
+        "        if tomb is not None:\n            raise Answer(\"fenced\", f\"vm {cmd.vm_id} was {tomb.reason}\")\n",
+        "",
+        "rule 4/8: a buried vm_id is never adopted, even if the runtime still shows it",
+        AGENT,
+    ),
+    Mutant(
+        "ops-adopt-over-a-labelled-vm", ADOPT,
+        "        if row is None:\n            ex.check_owner(cmd, labels_fence(info.labels))\n",
+        "",
+        "rule 4: an adopt of a VM the ledger lost checks the owner fence on its labels",
+        AGENT,
+    ),
+    Mutant(
+        "ops-remove-over-a-labelled-vm", TEARDOWN,
+        "            owner = labels_fence(info.labels)\n            ex.check_owner(cmd, owner)\n",
+        "            owner = labels_fence(info.labels)\n",
+        "rule 4: a remove of a VM the ledger lost checks the owner fence on its labels",
+        AGENT,
     ),
     # -------------------------------------------- the agent's ledger (services/agent/ledger.py)
     Mutant(

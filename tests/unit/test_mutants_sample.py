@@ -23,7 +23,8 @@ def test_every_catalogue_snippet_occurs_exactly_once_in_its_file() -> None:
 def test_the_catalogue_covers_every_fence_module() -> None:
     covered = {m.file for m in MUTANTS}
     assert {
-        "shared/fence/state.py", "shared/bus/append.py", "services/reconciler/kube.py", "services/agent/ledger.py",
+        "shared/fence/decide.py", "shared/fence/state.py", "shared/fence/agentfence.py", "shared/bus/append.py",
+        "services/reconciler/kube.py", "services/agent/ledger.py", "services/agent/executor.py",
     } <= covered
     assert all(m.rule for m in MUTANTS)
     assert all(len(m.equivalent) > 40 for m in MUTANTS if m.equivalent), "an equivalent mutant argues why"
