@@ -566,7 +566,11 @@ def _up_ok(run: _Run, a: _Answer) -> None:
         return
     reason: SkipReason = "superseded" if s.is_tombstoned(cmd.fence.uid) else "stale_effect"
     run.add(Skipped(reason, cmd.fence.uid, f"{cmd.op} of {cmd.vm_id} finished after its fence ended"))
-    _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
+    if rec.fence == cmd.fence:
+        # still the finished command's VM: remove it (no leak). One a successor adopted meanwhile
+        # (a restart's answer re-sent from the agent's ledger after the adopt's) is the successor's
+        # now: removing it would replace its VM for nothing (found by docs/mutants.md)
+        _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
 
 
 _UP_FAILED: dict[CommandOp, ReleaseReason] = {

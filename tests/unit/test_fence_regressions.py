@@ -204,8 +204,9 @@ def test_a_predecessors_start_answered_ok_after_the_adoption_is_never_bound_to_t
     """u1's VM exits and its restart (``start`` under u1's fence) is out when u2 adopts the VM; the
     adopt is answered first, then the start's ``ok`` (the agent re-sends it from its ledger after a
     lost publish). The start's answer is never applied under u2's fence: no ``Bound`` cites u1's
-    command and the log stays auditable (rule 4; guards ``cur.fence == cmd.fence`` in ``_up_ok``).
-    (That the successor's VM is then removed is not asserted here: see the mutants report.)"""
+    command, the successor's adopted VM is not removed (guards ``rec.fence == cmd.fence`` in
+    ``_up_ok``, a defect the mutants found), and the log stays auditable (rule 4; guards
+    ``cur.fence == cmd.fence`` in ``_up_ok``)."""
     d = Driver()
     c1 = d.run_up("u1", Spec(on_recreate="adopt"))
     out = d.feed(VMExited(c1.fence, c1.host, c1.vm_id, 1))
@@ -218,5 +219,8 @@ def test_a_predecessors_start_answered_ok_after_the_adoption_is_never_bound_to_t
     assert d.state.cur is not None and d.state.cur.bound and d.state.cur.vm_id == c1.vm_id
     out = d.answer(start, ip="10.0.0.9")
     assert [b for b in of(out, Bound) if b.command_id == start.id] == [], "u1's start was applied to u2"
+    removes = [c.command for c in of(out, Commanded) if c.command.op == "remove"]
+    assert removes == [], f"the successor's adopted VM was removed: {removes}"
+    assert d.state.cur is not None and d.state.cur.bound and d.state.cur.vm_id == c1.vm_id
     report = audit(d.log, final=False)
     assert report.clean, report.violations

@@ -242,6 +242,16 @@ class HostileCampaign:
                                        int(ann.get("vmfence.io/epoch") or 0))
         return out
 
+    async def _steady_vms(self, stack: LocalStack) -> dict[str, frozenset[str]]:
+        """The VMs the hosts' runtimes really run for each steady pod (not its annotations, which a
+        rebuild rewrites: a host's agent may legitimately claim evidence of a lost log tail, and the
+        rebuild that follows re-adopts the same VM)."""
+        by_key: dict[str, set[str]] = {f"{NS}/steady-{i}": set() for i in range(STEADY)}
+        for vm_id, key in (await self._vm_owners(stack)).items():
+            if key in by_key:
+                by_key[key].add(vm_id)
+        return {k: frozenset(v) for k, v in by_key.items()}
+
     async def _vm_owners(self, stack: LocalStack) -> dict[str, str]:
         owners = {}
         for agent in stack.agents.values():
@@ -279,7 +289,7 @@ class HostileCampaign:
             conns = await self._identities(stack)
             try:
                 for batch in range(3):
-                    before = {k: v[2] for k, v in (await self._steady(core)).items()}
+                    before = await self._steady_vms(stack)
                     await self._publish_batch(stack, conns, rng, live)
                     for name in await self._hostile_pods(core, rng, batch):
                         legit.add(f"{NS}/{name}")
@@ -289,10 +299,11 @@ class HostileCampaign:
                     self.tally.probes += 1
                     if not await self._running(core, probe, PROBE_BOUND_S):
                         self.tally.wedged_keys.append(f"{NS}/{probe}")
-                    after = {k: v[2] for k, v in (await self._steady(core)).items()}
+                    after = await self._steady_vms(stack)
                     for k in before:
                         if before[k] != after.get(k):
-                            self.tally.vm_changes.append(f"seed {seed}: {k}'s VM {before[k]} -> {after.get(k)}")
+                            self.tally.vm_changes.append(
+                                f"seed {seed}: {k}'s VMs {sorted(before[k])} -> {sorted(after.get(k, ()))}")
                     for vm_id, key in (await self._vm_owners(stack)).items():
                         if key not in legit:
                             self.tally.vm_changes.append(f"seed {seed}: VM {vm_id} for {key}, which nobody created")
