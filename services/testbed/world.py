@@ -195,6 +195,17 @@ class World:
         self._observe(key)
         return True
 
+    def churn(self, rounds: int, limit: int = 1_000_000) -> None:
+        """Every key created, settled, deleted and settled again, ``rounds`` times: a clean log of
+        the real policy's, as long as wanted (benchmarks and tests of the log's readers)."""
+        for _ in range(rounds):
+            for key in self.keys:
+                self.create(key)
+            self.settle(limit)
+            for key in self.keys:
+                self.delete(key)
+            self.settle(limit)
+
     def delete(self, key: str) -> None:
         pod = self.pods.get(key)
         if pod is not None and not pod.deleting:

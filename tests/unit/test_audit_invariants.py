@@ -81,13 +81,7 @@ def _world_log(rounds: int) -> list[LogEntry]:
     from services.testbed.world import World
 
     world = World(keys=3)
-    for _ in range(rounds):
-        for key in world.keys:
-            world.create(key)
-        world.settle(100_000)
-        for key in world.keys:
-            world.delete(key)
-        world.settle(100_000)
+    world.churn(rounds)
     return world.log
 
 

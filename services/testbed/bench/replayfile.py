@@ -35,13 +35,7 @@ def _tile() -> list[bytes]:
     from services.testbed.world import World
 
     world = World(keys=TILE_KEYS)
-    for _ in range(TILE_ROUNDS):
-        for key in world.keys:
-            world.create(key)
-        world.settle(1_000_000)
-        for key in world.keys:
-            world.delete(key)
-        world.settle(1_000_000)
+    world.churn(TILE_ROUNDS)
     return [msgspec.json.encode(e) for e in world.log]
 
 
