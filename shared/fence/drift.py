@@ -115,6 +115,9 @@ def drift(
                 found.append(Drift("vm_on_other_host", key, where[rec.vm_id], rec.vm_id,
                                    f"the log records it on {rec.host}"))
     for vm_id, vm in sorted(host_vms.items()):
+        owner = states.get(vm.key)
+        if owner is not None and owner.rebuilding:
+            continue  # a rebuild dropped the key's VM knowledge on purpose: its survey rediscovers them
         if vm_id not in in_log:
             found.append(Drift("vm_not_in_log", vm.key, where[vm_id], vm_id,
                                f"{vm.state}, labelled {vm.key} uid {vm.uid}"))

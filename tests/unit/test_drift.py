@@ -73,3 +73,14 @@ def test_a_tombstoned_uid_is_known_and_a_terminating_object_without_its_vm_is_dr
 def test_a_host_that_does_not_answer_is_named_and_its_vms_not_judged() -> None:
     report = drift({"shop/a": bound("shop/a", "u1", "vm-a")}, {"host-a": None}, [], last_entry_s={}, now_s=NOW)
     assert kinds(report) == [("host_unanswered", "", "")] and report.drift[0].host == "host-a"
+
+
+def test_a_key_being_rebuilt_has_no_vm_in_the_log_and_that_is_not_drift() -> None:
+    """After a lost tail the key's VM knowledge is dropped until its survey rediscovers the VMs
+    (found by chaos --hostile: a host's lost-tail evidence, verified within the rebuild's window)."""
+    s = KeyState(key="shop/a", epoch=3, n=9, rebuilding=True)
+    inv = {"host-a": [HostVM("vm-a", "shop/a", "u1", "running")]}
+    assert drift({"shop/a": s}, inv, [], last_entry_s={}, now_s=NOW).clean
+    s.rebuilding = False
+    assert kinds(drift({"shop/a": s}, inv, [], last_entry_s={}, now_s=NOW)) == [("vm_not_in_log", "shop/a", "vm-a")]
+
