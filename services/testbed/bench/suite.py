@@ -45,7 +45,7 @@ import msgspec
 from services.testbed.output import emit
 from shared.tasks import run_main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # the repository (this file is services/testbed/<pkg>/)
 NS = "default"
 VM_ANNOTATION = "vmfence.io/vm-id"
 VMFENCE = [sys.executable, "-m", "services.cli"]

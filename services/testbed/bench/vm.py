@@ -29,7 +29,7 @@ from qemu.qmp import QMPClient
 
 from services.agent.runtime import RuntimeDriver, VMSpec, make_driver
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # the repository (this file is services/testbed/<pkg>/)
 GUEST_IMAGE = ROOT / "build" / "guest"
 GUEST_READY = b"VMFENCE-READY"
 GUEST_BOOT_TIMEOUT_S = 120.0

@@ -37,7 +37,7 @@ from services.testbed.chaos.oracles import LIVE_STATES
 from shared.tasks import cancel_and_wait
 
 NS = "default"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # the repository (this file is services/testbed/<pkg>/)
 PARTITIONS = 8
 HOSTS = ("host-a", "host-b")
 LEASE_TTL_S = 3.0
