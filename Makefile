@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench guest-image tools clean property-long mutants
+.PHONY: demo test lint typecheck bench guest-image tools clean property-long mutants kube images
 
 $(STAMP): pyproject.toml
 	@bash scripts/bootstrap.sh
@@ -16,6 +16,7 @@ demo: $(STAMP)
 	$(BIN)/vmfence demo
 
 test: $(STAMP)
+	-@bash scripts/build-kube.sh
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider --hypothesis-profile=ci
@@ -38,6 +39,11 @@ typecheck: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/vmfence bench decisions --keys 10000 --json
+
+# the real control plane (etcd, kube-apiserver, kube-scheduler, kube-controller-manager) built from
+# the Go module proxy into .venv/kube/bin, pinned by deploy/kube/*/go.mod; a second run does nothing
+kube:
+	bash scripts/build-kube.sh
 
 guest-image: $(STAMP)
 	bash scripts/build-guest-image.sh
