@@ -37,7 +37,10 @@ def add_demo_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     u = sub.add_parser("up", help="the whole stack on this machine, in the foreground")
     u.add_argument("--runtime", default="auto", choices=["auto", "sim", "qemu"],
                    help="VM runtime: qemu if installed (auto), or the simulated one")
-    u.add_argument("--kubeconfig", help="use this cluster instead of the development API server")
+    u.add_argument("--kubeconfig", help="use this cluster instead of starting a control plane")
+    u.add_argument("--control-plane", choices=["dev", "kube"], default="dev",
+                   help="without --kubeconfig: the development API server (dev), or the real etcd, "
+                        "kube-apiserver, kube-scheduler and kube-controller-manager built by `make kube` (kube)")
     u.add_argument("--kubeconfig-out", default=".vmfence/kubeconfig", help="write a kubeconfig for kubectl here")
     u.add_argument("--dir", default=".vmfence/run", help="where the stack keeps its files")
     u.set_defaults(run=_run_up)

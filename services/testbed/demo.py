@@ -32,6 +32,7 @@ from services.testbed.natsserver import write_private
 from services.testbed.stack import (
     OPERATOR_USER,
     LocalStack,
+    StackConfigError,
     load_kubeconfig,
     pick_runtime,
     private_append,
@@ -391,7 +392,14 @@ async def up(args: argparse.Namespace) -> int:
     console = Console()
     if args.kubeconfig is not None:
         await load_kubeconfig(args.kubeconfig)  # an ordinary mistake, found before anything is made
-    stack = LocalStack(Path(args.dir), runtime=runtime, partitions=16, kubeconfig=args.kubeconfig)
+    if getattr(args, "control_plane", "dev") == "kube":
+        from services.testbed.kubecp import binaries
+
+        if args.kubeconfig is not None:
+            raise StackConfigError("--kubeconfig names a cluster; --control-plane kube starts one: give one of them")
+        binaries()  # KubeUnavailable (one line: not built, or why the build failed) before anything starts
+    stack = LocalStack(Path(args.dir), runtime=runtime, partitions=16, kubeconfig=args.kubeconfig,
+                       control_plane=getattr(args, "control_plane", "dev"))
     stack.lock()  # StackBusy (one line) before anything of another stack's is touched
     _quiet_service_logs(Path(args.dir).parent / f"{Path(args.dir).name}-logs" / "services.log")
     stop = asyncio.Event()
@@ -406,6 +414,10 @@ async def up(args: argparse.Namespace) -> int:
         out = Path(os.getcwd(), args.kubeconfig_out)
         if args.kubeconfig is None:
             _copy_file(stack.kubeconfig_path, out)
+        if stack.kube is not None:
+            console.print(f"control plane: {stack.kube.url} (etcd, kube-apiserver, kube-scheduler, "
+                          f"kube-controller-manager; logs in {stack.kube.directory / 'logs'}); "
+                          "vmfence's services run as the chart's service accounts")
         console.print(f"vmfence is up (runtime {runtime}). kubeconfig: {out}")
         console.print(f"  kubectl --kubeconfig {args.kubeconfig_out} get pods -w")
         console.print("  virtual nodes: " + ", ".join(f"vmfence-{h}" for h in stack.hosts))

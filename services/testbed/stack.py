@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import yaml
@@ -205,6 +206,12 @@ class LocalStack:
     reconcilers: int = 2
     hosts: tuple[str, ...] = ("host-a", "host-b")
     kubeconfig: str | None = None  # an existing cluster instead of the development API server
+    # without a kubeconfig: "dev" starts the development API server, "kube" the real control plane
+    # (services.testbed.kubecp: etcd, kube-apiserver, scheduler, controller-manager, the chart's RBAC)
+    control_plane: str = "dev"
+    # component ("watcher", "reconciler") -> the kubeconfig it runs with (the chart's service accounts);
+    # a component not named uses ``kubeconfig``. Set by the stack itself for control_plane="kube".
+    service_kubeconfigs: dict[str, str] | None = None
     restart_backoff_s: float = 1.0
     host_cpus: int = 64
     host_memory_mib: int = 65536
@@ -228,7 +235,9 @@ class LocalStack:
     watcher_bus: Bus | None = field(default=None, init=False)
     urls: dict[str, str] = field(default_factory=dict, init=False)  # component -> its NATS URL
     users: NatsUsers | None = field(default=None, init=False)
-    api: client.ApiClient | None = field(default=None, init=False)
+    api: client.ApiClient | None = field(default=None, init=False)  # the harness's (admin on a real cluster)
+    watcher_api: client.ApiClient | None = field(default=None, init=False)
+    kube: Any = field(default=None, init=False)  # the KubeControlPlane this stack started, if any
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
     _agent_tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
     _lock: DirLock = field(init=False)
@@ -266,7 +275,15 @@ class LocalStack:
                       *(f"agent-{h}" for h in self.hosts), "watcher"]
         for c in components:
             self.urls[c] = await self.bus_door(c, self.nats.url) if self.bus_door else self.nats.url
-        if self.kubeconfig is None:
+        if self.kubeconfig is None and self.control_plane == "kube":
+            from services.testbed.kubecp import start_control_plane  # imports this module
+
+            on_status("kube", "starting")
+            self.kube, creds = await start_control_plane(self.root / "kube")
+            self.kubeconfig_path = str(self.kube.admin_kubeconfig)
+            self.service_kubeconfigs = {c: str(p) for c, p in creds.kubeconfigs.items()}
+            on_status("kube", f"{self.kube.url} ({self.kube.timings['total_s']:.1f}s)")
+        elif self.kubeconfig is None:
             on_status("apiserver", "starting")
             self.apiserver = ApiServer(ApiServerConfig(db_path=None, watch_window=self.watch_window))
             await self.apiserver.start()
@@ -285,7 +302,9 @@ class LocalStack:
             await self.start_agent(host)
             on_status(f"agent {host}", f"ready ({self.runtime})")
         self.watcher_bus = await self.open_bus("watcher", "vmfence-watcher", url=self.urls["watcher"])
-        self.watcher = Watcher(self.api, self.watcher_bus.js, self.subjects)
+        own = self.kubeconfig_of("watcher")
+        self.watcher_api = self.api if own == self.kubeconfig_path else client.ApiClient(await load_kubeconfig(own))
+        self.watcher = Watcher(self.watcher_api, self.watcher_bus.js, self.subjects)
         self._tasks.append(asyncio.create_task(self.watcher.run(), name="watcher"))
         try:
             await asyncio.wait_for(self.watcher.ready.wait(), READY_TIMEOUT_S)
@@ -297,6 +316,10 @@ class LocalStack:
         for name in self.recs:
             await self.wait_reconciler_ready(name)
             on_status(name, "ready")
+
+    def kubeconfig_of(self, component: str) -> str:
+        """The kubeconfig a component runs with: its own (the chart's service account), else the stack's."""
+        return (self.service_kubeconfigs or {}).get(component, self.kubeconfig_path)
 
     # ---------------------------------------------------------------------- identities
     def identity(self, user: str) -> tuple[str, str]:
@@ -349,7 +372,7 @@ class LocalStack:
         rp.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "services.cli", "reconciler", "--nats-url", self.urls.get(name, self.nats.url),
-                "--kubeconfig", self.kubeconfig_path, "--id", name, "--partitions", str(self.partitions),
+                "--kubeconfig", self.kubeconfig_of("reconciler"), "--id", name, "--partitions", str(self.partitions),
                 "--data-dir", str(self.root / "reconcilers"), "--http-host", "127.0.0.1",
                 "--http-port", str(rp.port), "--lease-ttl", "3", "--snapshot-interval", "0.5",
                 "--restart-backoff", str(self.restart_backoff_s), "--host-stale", str(self.host_stale_s),
@@ -438,6 +461,8 @@ class LocalStack:
             agent.stop()
         # every step bounded: a stop that hangs would hide what it hung on (it is logged instead)
         await end_within([*self._tasks, *self._agent_tasks.values()], STOP_TIMEOUT_S, what="stack task")
+        if self.watcher_api is not None and self.watcher_api is not self.api:
+            await run_within(self.watcher_api.close(), STOP_TIMEOUT_S, what="closing the watcher's Kubernetes client")
         if self.api is not None:
             await run_within(self.api.close(), STOP_TIMEOUT_S, what="closing the Kubernetes client")
         if self.watcher_bus is not None and self.watcher_bus is not self.bus:
@@ -446,6 +471,8 @@ class LocalStack:
             await run_within(self.bus.close(), STOP_TIMEOUT_S, what="closing NATS")
         if self.apiserver is not None:
             await run_within(self.apiserver.stop(), STOP_TIMEOUT_S, what="stopping the API server")
+        if self.kube is not None:
+            await self.kube.stop()  # bounded per process (SIGTERM, then SIGKILL)
         if self.nats is not None:
             await run_within(self.nats.stop(), STOP_TIMEOUT_S, what="stopping nats-server")
 
