@@ -8,18 +8,24 @@
 #
 # The guest:
 #   - mounts proc/sys/dev, loads the NIC driver (e1000 + virtio-net modules packed from the .deb),
-#   - configures eth0 as 10.0.2.15/24 via 10.0.2.2 (QEMU user-mode networking),
+#   - configures eth0 from the kernel command line (vmfence.ip=ADDR/PREFIX vmfence.gw=GATEWAY: the
+#     agent's address pool on its bridge), else as 10.0.2.15/24 via 10.0.2.2 (QEMU user networking),
 #   - writes a random token to /tmp/token (lives only in guest RAM),
 #   - serves HTTP on port 8080 (busybox httpd): GET /token returns the token, GET / returns "ok",
 #   - prints "VMFENCE-READY <token>" on the serial console (ttyS0) once the server is up.
-# The driver boots it with: -kernel vmlinuz -initrd initramfs.cpio.gz -append "console=ttyS0 quiet"
+# The driver boots it with: -kernel vmlinuz -initrd initramfs.cpio.gz -append "console=ttyS0 quiet [vmfence.ip=.. vmfence.gw=..]"
+# GUEST_VERSION in OUTDIR stamps which revision of this script built the image (see below).
 set -euo pipefail
 
 OUTDIR="${1:-build/guest}"
 mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
 
-if [[ -z "${FORCE:-}" && -s "$OUTDIR/vmlinuz" && -s "$OUTDIR/initramfs.cpio.gz" ]]; then
+# Bump GUEST_VERSION whenever the guest's init or contents change: an image built by an older
+# script (no stamp, or another number) is rebuilt instead of being served from the cache.
+GUEST_VERSION=2
+if [[ -z "${FORCE:-}" && -s "$OUTDIR/vmlinuz" && -s "$OUTDIR/initramfs.cpio.gz" \
+      && "$(cat "$OUTDIR/GUEST_VERSION" 2>/dev/null)" == "$GUEST_VERSION" ]]; then
     echo "guest image cached in $OUTDIR"
     exit 0
 fi
@@ -113,9 +119,20 @@ ip link set lo up
 i=0
 while [ ! -e /sys/class/net/eth0 ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i+1)); done
 [ -e /sys/class/net/eth0 ] || { echo "no eth0:"; ls /sys/class/net; dmesg | tail -20; } > /dev/console
-ip addr add 10.0.2.15/24 dev eth0
+# The address: vmfence.ip=ADDR/PREFIX and vmfence.gw=GATEWAY on the kernel command line (the
+# agent's pool on its bridge); without them QEMU user-mode networking's 10.0.2.15 via 10.0.2.2.
+addr=10.0.2.15/24
+gw=10.0.2.2
+for arg in $(cat /proc/cmdline); do
+    case "$arg" in
+        vmfence.ip=*) addr="${arg#vmfence.ip=}" ;;
+        vmfence.gw=*) gw="${arg#vmfence.gw=}" ;;
+    esac
+done
+ip addr add "$addr" dev eth0
 ip link set eth0 up
-ip route add default via 10.0.2.2
+[ -n "$gw" ] && [ "$gw" != none ] && ip route add default via "$gw"
+echo "VMFENCE-NET $addr via $gw" > /dev/console
 # A token that only exists in guest RAM: a hibernate/wake test reads it before and after.
 token=$(head -c 16 /dev/urandom | md5sum | cut -c1-32)
 echo "$token" > /tmp/token
@@ -171,4 +188,5 @@ cp "$VMLINUZ" "$WORK/vmlinuz"
 mv "$WORK/vmlinuz" "$OUTDIR/vmlinuz"
 mv "$WORK/initramfs.cpio.gz" "$OUTDIR/initramfs.cpio.gz"
 echo "$KVER" > "$OUTDIR/KERNEL_VERSION"
+echo "$GUEST_VERSION" > "$OUTDIR/GUEST_VERSION"
 log "done: $OUTDIR/vmlinuz ($(stat -c %s "$OUTDIR/vmlinuz") bytes), initramfs.cpio.gz ($(stat -c %s "$OUTDIR/initramfs.cpio.gz") bytes)"

@@ -23,20 +23,26 @@ VM exists (rule 8).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+import msgspec
+
 from services.agent.labels import fence_labels, labels_fence
-from services.agent.ledger import TRANSIENT_STATES, Claim, Ledger, VMRow
+from services.agent.ledger import ADDRESS_KIND, TRANSIENT_STATES, Claim, Ledger, VMRow
 from services.agent.logs import cmd_fields, fence_fields
+from services.agent.network import HostNetwork
 from services.agent.ops import OPS, Answer
 from services.agent.runtime import (
     DisplayPool,
     ImageError,
     Inconclusive,
+    NetAttach,
     RuntimeDriver,
     RuntimeFailure,
     VMInfo,
@@ -96,6 +102,9 @@ class Executor:
     vnc: bool = True
     op_timeout: float = 300.0
     locks: VMLocks = field(default_factory=VMLocks)
+    network: HostNetwork | None = None  # bridge networking: every new VM gets an address of its pool
+    _alloc: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
+    _last_ip: str | None = field(default=None, init=False, repr=False)
 
     # ------------------------------------------------------------------ the runner
     async def execute(self, cmd: Command) -> tuple[CommandResult, bool]:
@@ -262,10 +271,11 @@ class Executor:
 
     async def _failed_bringup(self, cmd: Command, row: VMRow, error: str) -> CommandResult:
         sure, info = await self.peek(cmd.vm_id)
-        if not sure:  # keep the intent row: the inventory reports it
+        if not sure:  # keep the intent row (and the address): the inventory reports it
             return await self.record(cmd, "failed", error=error)
         if info is None:
             await self.ledger.forget_vm(cmd.vm_id)
+            await self.release_address(cmd.vm_id, cmd.fence)  # no VM has it: the runtime said so
             return await self.record(cmd, "failed", error=error)
         return await self.record(cmd, "failed", error=error, put=self.row(row, info), claim=self.claims(info))
 
@@ -284,6 +294,85 @@ class Executor:
             vm_id=cmd.vm_id, cpus=spec.cpus, memory_mib=spec.memory_mib, image=image, vnc=self.vnc,
             probe_port=spec.probe_port, labels=fence_labels(cmd.fence),
         )
+
+    # ------------------------------------------------------------------ addresses (rule 9)
+    async def spec_with_address(self, cmd: Command, *, snapshot: str | None = None) -> VMSpec:
+        """``vmspec(cmd)`` with the VM's address on the pod network, reserved for the command's
+        fence before the runtime is called (bridge networking; otherwise as ``vmspec``)."""
+        spec = self.vmspec(cmd)
+        net = await self.address(cmd, snapshot=snapshot)
+        return msgspec.structs.replace(spec, net=net) if net is not None else spec
+
+    async def address(self, cmd: Command, *, snapshot: str | None = None) -> NetAttach | None:
+        """The address ``cmd.vm_id`` holds, or a new one reserved for ``(vm_id, cmd.fence)``. A wake
+        takes over the address of the VM its snapshot came from (the restored guest has it
+        configured) when that VM was the same incarnation's. A full pool answers ``failed``."""
+        net = self.network
+        if net is None or net.pool is None:
+            return None
+        pool = net.pool
+        async with self._alloc:  # one allocation at a time: two VMs never pick the same address
+            held = await self.ledger.held(ADDRESS_KIND)
+            for ip, (vm_id, uid, epoch) in held.items():
+                if vm_id == cmd.vm_id:
+                    if (uid, epoch) != (cmd.fence.uid, cmd.fence.epoch):
+                        raise Answer("fenced", f"address {ip} of {vm_id} is held by uid {uid} epoch {epoch}")
+                    return net.attach(cmd.vm_id, ip)
+            if snapshot:
+                took = await self._take_snapshot_address(cmd, snapshot, held)
+                if took is not None:
+                    return net.attach(cmd.vm_id, took)
+            ip = pool.pick(held.keys(), after=self._last_ip)
+            if ip is None:
+                raise Answer("failed", f"address pool {pool.subnet} of {self.host} is full: all {pool.size} "
+                                       f"addresses are held by VMs")
+            await self.ledger.reserve(ADDRESS_KIND, ip, cmd.vm_id, cmd.fence)
+            self._last_ip = ip
+        log.info("address %s reserved", ip, extra=cmd_fields(cmd, event="address_reserved"))
+        return net.attach(cmd.vm_id, ip)
+
+    async def _take_snapshot_address(self, cmd: Command, snapshot: str,
+                                     held: dict[str, tuple[str, str, int]]) -> str | None:
+        owner = await self.ledger.reservation_owner("snapshot", snapshot)
+        if owner is None:
+            log.warning("wake: the snapshot has no owner here; the restored guest keeps the address it had "
+                        "and gets a new one from this host's pool", extra=cmd_fields(cmd))
+            return None
+        old_vm, uid, epoch = owner
+        if uid != cmd.fence.uid:
+            return None
+        for ip, holder in held.items():
+            if holder == (old_vm, uid, epoch):
+                frm = (old_vm, Fence(cmd.fence.key, uid, epoch))
+                if await self.ledger.move(ADDRESS_KIND, ip, frm, (cmd.vm_id, cmd.fence)):
+                    log.info("wake: address %s taken over from hibernated %s", ip, old_vm,
+                             extra=cmd_fields(cmd, event="address_moved"))
+                    return ip
+        return None
+
+    async def release_address(self, vm_id: str, owner: Fence) -> None:
+        """Free the address ``(vm_id, owner)`` holds (its VM is gone); nobody else's."""
+        if self.network is None:
+            return
+        for ip, holder in (await self.ledger.held(ADDRESS_KIND)).items():
+            if holder == (vm_id, owner.uid, owner.epoch):
+                await self.ledger.release(ADDRESS_KIND, ip, vm_id, owner)
+
+    async def drop_snapshot(self, snapshot: str, cmd: Command, *, successor_ok: bool = False) -> bool:
+        """After a wake from ``snapshot`` took, or the removal of the hibernated VM it holds: its
+        reservation released for its owner (the same incarnation, or with ``successor_ok`` a later
+        epoch of the key, which the caller checked) and its files deleted."""
+        owner = await self.ledger.reservation_owner("snapshot", snapshot)
+        if owner is None:
+            return False
+        if owner[1] != cmd.fence.uid and not (successor_ok and cmd.fence.epoch > owner[2]):
+            return False
+        vm_id, uid, epoch = owner
+        fence = Fence(cmd.fence.key, uid, epoch)
+        await self.ledger.release("snapshot", snapshot, vm_id, fence)
+        await asyncio.to_thread(delete_snapshot_files, snapshot)
+        log.info("snapshot collected", extra=cmd_fields(cmd, event="snapshot_collected"))
+        return True
 
     @staticmethod
     def row(row: VMRow, info: VMInfo, **changes: object) -> VMRow:
@@ -343,3 +432,17 @@ class Executor:
                 await self.ledger.bury(row.vm_id, "removed", row.fence)
                 n += 1
         return n
+
+
+SNAPSHOT_SUFFIXES = ("", ".disk.qcow2", ".part", ".disk.qcow2.part")
+
+
+def delete_snapshot_files(snapshot: str) -> int:
+    """Delete a snapshot and its companions (disk overlay, partial files); the bytes freed."""
+    freed = 0
+    for suffix in SNAPSHOT_SUFFIXES:
+        path = snapshot + suffix
+        with contextlib.suppress(FileNotFoundError):
+            freed += os.path.getsize(path)
+            os.unlink(path)
+    return freed

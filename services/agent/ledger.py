@@ -34,6 +34,7 @@ log = logging.getLogger("vmfence.agent.ledger")
 LEDGER_FILE = "ledger.sqlite3"
 LEDGER_MODE = 0o600  # it holds VNC passwords; SQLite gives its -wal and -shm files the same mode
 BUSY_TIMEOUT_MS = 5000
+ADDRESS_KIND = "ip"  # a VM's address on the host's pod network (services/agent/network.py)
 
 # VM row states. "creating"/"waking"/"removing"/"hibernating" are intents recorded before the
 # side effect; "running"/"paused"/"exited" mirror what the runtime last said.
@@ -411,6 +412,25 @@ class Ledger:
         async with self._tx() as db:
             await _claim(db, kind, resource, vm_id, owner, time.time())
 
+    async def held(self, kind: str) -> dict[str, tuple[str, str, int]]:
+        """Every ``kind`` reservation: resource -> ``(vm_id, uid, epoch)``."""
+        async with self.db.execute(
+            "SELECT resource, vm_id, uid, epoch FROM reservations WHERE kind = ?", (kind,)
+        ) as cur:
+            return {str(r): (str(v), str(u), int(e)) async for r, v, u, e in cur}
+
+    async def move(self, kind: str, resource: str, frm: tuple[str, Fence], to: tuple[str, Fence]) -> bool:
+        """Hand ``resource`` from its owner ``frm = (vm_id, fence)`` to ``to`` (a wake taking over the
+        hibernated VM's address); False, changing nothing, when ``frm`` does not hold it."""
+        (fvm, ff), (tvm, tf) = frm, to
+        async with self._tx() as db:
+            cur = await db.execute(
+                "UPDATE reservations SET vm_id = ?, uid = ?, epoch = ?, at = ? "
+                "WHERE kind = ? AND resource = ? AND vm_id = ? AND uid = ? AND epoch = ?",
+                (tvm, tf.uid, tf.epoch, time.time(), kind, resource, fvm, ff.uid, ff.epoch),
+            )
+            return (cur.rowcount or 0) > 0
+
     async def release(self, kind: str, resource: str, vm_id: str, owner: Fence) -> bool:
         """Free a resource; only its owner ``(vm_id, uid, epoch)`` may. False if already free."""
         async with self._tx() as db:
@@ -503,13 +523,17 @@ async def _claim(
 
 
 async def _bury(db: aiosqlite.Connection, vm_id: str, reason: str, owner: Fence, now: float) -> None:
-    """Tombstone + drop row + release what ``owner`` holds on it (snapshots outlive the VM)."""
+    """Tombstone + drop row + release what ``owner`` holds on it. Snapshots outlive the VM, and so
+    does a hibernated VM's address: its guest's RAM, in the snapshot, has it configured (the wake
+    that restores it takes it over)."""
     await db.execute(
         "INSERT OR REPLACE INTO removed (vm_id, reason, key, uid, epoch, at) VALUES (?, ?, ?, ?, ?, ?)",
         (vm_id, reason, owner.key, owner.uid, owner.epoch, now),
     )
     await db.execute("DELETE FROM vms WHERE vm_id = ?", (vm_id,))
+    kept = ("snapshot", ADDRESS_KIND) if reason == "hibernated" else ("snapshot",)
     await db.execute(
-        "DELETE FROM reservations WHERE vm_id = ? AND uid = ? AND epoch = ? AND kind != 'snapshot'",
-        (vm_id, owner.uid, owner.epoch),
+        f"DELETE FROM reservations WHERE vm_id = ? AND uid = ? AND epoch = ? "
+        f"AND kind NOT IN ({', '.join('?' for _ in kept)})",
+        (vm_id, owner.uid, owner.epoch, *kept),
     )

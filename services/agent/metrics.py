@@ -26,6 +26,16 @@ class AgentMetrics:
                                      "1 while the ledger takes writes; 0: not ready, no new VMs",
                                      registry=self.registry)
         self.ledger_writable.set(1)
+        self.snapshots = Gauge("vmfence_agent_snapshots", "Snapshots in the store a hibernated VM holds",
+                               registry=self.registry)
+        self.snapshot_bytes = Gauge("vmfence_agent_snapshot_bytes", "Bytes of the snapshots hibernated VMs hold",
+                                    registry=self.registry)
+        self.collected = Counter("vmfence_agent_collected", "What the collector deleted or released because no "
+                                 "ledger record owned it, by kind", ["kind"], registry=self.registry)
+        self.collected_bytes = Counter("vmfence_agent_collected_bytes", "Bytes of snapshot files collected",
+                                       registry=self.registry)
+        self.addresses = Gauge("vmfence_agent_addresses", "Pod network addresses by state (held by a VM's fence, "
+                               "free)", ["state"], registry=self.registry)
         self._states: set[str] = set()
 
     def set_vms(self, states: list[str]) -> None:

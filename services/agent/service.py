@@ -37,11 +37,13 @@ from nats.js import api
 from nats.js.kv import KeyValue
 
 from services.agent.answers import inventory_responder, vnc_responder
+from services.agent.collect import Collector
 from services.agent.config import AgentConfig
 from services.agent.executor import Executor, VMLocks, labels_fence
 from services.agent.ledger import LEDGER_FILE, TRANSIENT_STATES, Ledger, is_write_failure
 from services.agent.logs import cmd_fields, fence_fields
 from services.agent.metrics import AgentMetrics
+from services.agent.network import HostNetwork, NetworkError, parse_cidr
 from services.agent.probes import Prober
 from services.agent.runtime import (
     RuntimeDriver,
@@ -187,6 +189,12 @@ class Agent:
         self._health: HealthServer | None = None
         self._task: asyncio.Task[None] | None = None
         self._kv: KeyValue | None = None
+        self.network = HostNetwork(
+            mode=config.network, data_dir=config.data_dir, host=config.host,  # type: ignore[arg-type]
+            subnet=parse_cidr(config.pod_cidr) if config.pod_cidr else None,
+            pool_cidr=parse_cidr(config.pod_cidr_pool), taps=config.runtime == "qemu",
+        )
+        self.collector: Collector | None = None
 
     @property
     def driver(self) -> RuntimeDriver:
@@ -233,6 +241,10 @@ class Agent:
         self._lock_data_dir()
         try:
             await self.ledger.open()
+            try:  # the pool (and bridge) before any VM: a rediscovered VM's tap goes back on it
+                await self.network.open()
+            except (NetworkError, OSError) as e:
+                raise AgentStartError(f"pod network: {e}") from e
             if self._driver is None:
                 self._driver = self._make_driver()
             driver = self._driver
@@ -241,7 +253,9 @@ class Agent:
             self.executor = Executor(
                 self.ledger, driver, cfg.host, cfg.snapshots, image_dir=cfg.images,
                 vnc=cfg.vnc_range is not None, op_timeout=cfg.op_timeout, locks=VMLocks(),
+                network=self.network if self.network.enabled else None,
             )
+            self.collector = Collector(self.executor, self.metrics, grace_s=cfg.collect_grace)
             self.prober = Prober(self.ledger, driver, cfg.host, self._publish_probe,
                                  interval=cfg.probe_interval, timeout=cfg.probe_timeout)
             where = cfg.nats_display  # a password in a URL is never logged
@@ -275,6 +289,7 @@ class Agent:
                     tg.create_task(self._every(cfg.inventory_interval, self.inventory), name="inventory"),
                     tg.create_task(self._every(cfg.heartbeat_interval, self.heartbeat), name="heartbeat"),
                     tg.create_task(self.prober.run(), name="probes"),
+                    tg.create_task(self._every(cfg.collect_interval, self.collect), name="collector"),
                 ]
                 try:
                     await self._consume(psub)  # returns once stopping and in-flight work is done
@@ -310,6 +325,7 @@ class Agent:
         async with contextlib.AsyncExitStack() as steps:  # run last-pushed first
             steps.callback(log.info, "agent stopped", extra={"host": self.config.host, "event": "stopped"})
             steps.callback(self._unlock_data_dir)
+            steps.callback(self.network.close)  # the pool's lease
             steps.push_async_callback(self.ledger.close)
             if self.bus is not None:
                 steps.push_async_callback(run_within, self.bus.close(), NET_TIMEOUT_S, what="closing NATS")
@@ -321,6 +337,9 @@ class Agent:
             if self.config.cleanup_on_stop and self.executor is not None:
                 n = await self.executor.remove_all()
                 log.info("cleanup on stop: removed %d VMs", n, extra={"host": self.config.host})
+                if not self.ledger.vms():  # the bridge only once no VM of this agent needs it
+                    steps.push_async_callback(run_within, self.network.teardown(), NET_TIMEOUT_S,
+                                              what="removing the pod network")
 
     def _unlock_data_dir(self) -> None:
         if self._lock_fd is not None:
@@ -347,7 +366,8 @@ class Agent:
         displays = cfg.vnc_range if cfg.vnc_range is not None else range(0)
         if cfg.runtime == "qemu":
             return make_driver("qemu", state_dir=cfg.runtime_dir, accel=cfg.accel, vnc_displays=displays,
-                               vnc_listen=cfg.vnc_listen, image_store=cfg.images)
+                               vnc_listen=cfg.vnc_listen, image_store=cfg.images,
+                               user_network=cfg.network == "user")
         driver = make_driver("sim", state_dir=cfg.runtime_dir, seed=cfg.sim_seed, vnc_displays=displays,
                              image_store=cfg.images)
         _sim_faults(driver, cfg.sim_faults)
@@ -668,10 +688,21 @@ class Agent:
             host=cfg.host, runtime=self.driver.name,
             cpus_total=cfg.cpus, cpus_free=cpus_free, memory_total_mib=cfg.memory_mib,
             memory_free_mib=memory_free, vms=len(rows), at=time.time(), accel=getattr(self.driver, "accel", None),
+            ip=self.host_ip,
         )
         await asyncio.wait_for(self._kv.put(cfg.host, encode(hb)), NET_TIMEOUT_S)
         self.metrics.reports.labels(kind="heartbeat").inc()
         self.metrics.set_vms([r.state for r in rows])
+
+    @property
+    def host_ip(self) -> str | None:
+        """This host's address (the Node's InternalIP): --host-ip, else the pod network's gateway."""
+        return self.config.host_ip or self.network.gateway
+
+    async def collect(self) -> None:
+        """One collector pass (see services/agent/collect.py)."""
+        if self.collector is not None:
+            await self.collector.collect()
 
     async def _every(self, interval: float, fn: Any) -> None:
         """Run ``fn`` every ``interval`` s until stopping; a failed round is logged, not fatal."""

@@ -14,6 +14,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.agent.config import AgentConfig
+from services.agent.network import NETWORK_FILE, remove_network
 from services.agent.runtime.sim import SimDriver
 from services.testbed.natsserver import NatsServer
 from shared.bus.connect import connect
@@ -51,6 +52,16 @@ class Reports:
         return [
             i for i in self.items if isinstance(i, cls) and all(getattr(i, k) == v for k, v in attrs.items())
         ]
+
+
+@pytest.fixture(autouse=True)
+async def _no_interfaces_left(tmp_path: Path) -> AsyncIterator[None]:
+    """Bridges and taps an agent of this test made (bridge networking, qemu runtime) are deleted
+    afterwards: found by the network.json files under the test's own directory, deleted only when
+    they carry that agent's alias."""
+    yield
+    for saved in list(tmp_path.rglob(NETWORK_FILE)):  # noqa: ASYNC240 - a test's small directory
+        await remove_network(str(saved.parent))
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ class Create(Step):
             row = VMRow(vm_id=cmd.vm_id, fence=cmd.fence, state="creating", spec=cmd.spec, command_id=cmd.id)
         elif row.state not in (*UP_STATES, "exited"):
             row = replace(row, state="creating", command_id=cmd.id)
-        spec = ex.vmspec(cmd)
+        spec = await ex.spec_with_address(cmd)  # reserved before the VM starts (rule 9)
         return await ex.bring_up(cmd, row, "create", lambda: ex.driver.create(spec))
 
 
@@ -56,5 +56,10 @@ class Wake(Step):
             if info is not None and info.state in UP_STATES:
                 return await ex.record(cmd, "ok", info=info, put=ex.row(row, info))
         intent = VMRow(vm_id=cmd.vm_id, fence=cmd.fence, state="waking", spec=cmd.spec, command_id=cmd.id)
-        spec = ex.vmspec(cmd)
-        return await ex.bring_up(cmd, intent, "restore", lambda: ex.driver.restore(spec, snapshot))
+        # the hibernated VM's address, which the restored guest has configured (same incarnation)
+        spec = await ex.spec_with_address(cmd, snapshot=snapshot)
+        result = await ex.bring_up(cmd, intent, "restore", lambda: ex.driver.restore(spec, snapshot))
+        if result.outcome == "ok":
+            # the woken VM runs from its own copy of the disk: the snapshot has served (issue 12 §4)
+            await ex.drop_snapshot(snapshot, cmd)
+        return result

@@ -27,13 +27,25 @@ class Remove(Step):
         else:
             info = await ex.inspect(cmd.vm_id)
             if info is None:
+                tomb = ex.ledger.tombstone(cmd.vm_id)
+                if tomb is not None and tomb.reason == "hibernated" and _may_collect(cmd.fence, tomb.fence):
+                    # the pod of a hibernated VM went: its snapshot and the address it kept go too
+                    snapshot = os.path.join(ex.snapshot_dir, f"{cmd.vm_id}.snap")
+                    await ex.drop_snapshot(snapshot, cmd, successor_ok=True)
+                    await ex.release_address(cmd.vm_id, tomb.fence)
                 # unknown (or already removed): tombstone anyway so a late create is refused
-                outcome: ResultOutcome = "ok" if ex.ledger.tombstone(cmd.vm_id) else "not_found"
+                outcome: ResultOutcome = "ok" if tomb else "not_found"
                 return await ex.record(cmd, outcome, bury=("removed", cmd.fence))
             owner = labels_fence(info.labels)
             ex.check_owner(cmd, owner)
         await ex.transition(row, "removing", "remove", lambda: ex.driver.remove(cmd.vm_id))
         return await ex.record(cmd, "ok", bury=("removed", owner or cmd.fence))
+
+
+def _may_collect(fence: Fence, owner: Fence) -> bool:
+    """A remove under ``fence`` may collect what the hibernated VM of ``owner`` kept: the same
+    incarnation, or a later epoch of the same key."""
+    return fence.key == owner.key and (fence.uid == owner.uid or fence.epoch > owner.epoch)
 
 
 class Hibernate(Step):

@@ -7,6 +7,7 @@ from typing import Any
 
 from .base import (
     Inconclusive,
+    NetAttach,
     RuntimeDriver,
     RuntimeEvent,
     RuntimeFailure,
@@ -23,6 +24,7 @@ __all__ = [
     "DisplayPool",
     "ImageError",
     "Inconclusive",
+    "NetAttach",
     "ReservationError",
     "RuntimeDriver",
     "RuntimeEvent",

@@ -14,6 +14,19 @@ VM_ID_RE = re.compile(r"^[a-z0-9-]{1,63}$")
 VMState = Literal["running", "paused", "exited", "creating"]
 
 
+class NetAttach(msgspec.Struct, frozen=True):
+    """A VM's place on its host's pod network (services/agent/network.py): its address from the
+    host's pool (a reservation of its fence in the agent's ledger), the pool's gateway and prefix,
+    a MAC derived from the address, and the tap on the host's bridge ("" = no tap: the sim)."""
+
+    ip: str
+    prefix: int
+    gateway: str
+    mac: str
+    tap: str = ""
+    bridge: str = ""
+
+
 class VMSpec(msgspec.Struct, frozen=True):
     vm_id: str  # [a-z0-9-]{1,63}, unique on the host
     cpus: int = 1
@@ -22,6 +35,7 @@ class VMSpec(msgspec.Struct, frozen=True):
     vnc: bool = False  # reserve a VNC display from the driver's range
     probe_port: int | None = None  # guest TCP port forwarded to a host port for readiness probes
     labels: dict[str, str] = {}  # e.g. vmfence key/uid/epoch, stored with the VM for inventory
+    net: NetAttach | None = None  # bridge networking (None: QEMU user networking, or no NIC)
 
 
 class VMInfo(msgspec.Struct):

@@ -274,7 +274,7 @@ class SimDriver:
             vnc_display=vm.vnc_display,
             vnc_password=vm.vnc_password if vm.vnc_display is not None else None,
             probe_host_port=vm.probe_host_port,
-            ip="10.0.2.15" if vm.spec.image else None,
+            ip=vm.spec.net.ip if vm.spec.net is not None else None,  # the pool's address (no tap)
             labels=dict(vm.spec.labels),
             exit_code=vm.exit_code,
         )

@@ -62,6 +62,7 @@ from ..base import (
     check_vm_id,
 )
 from ..images import check_in_store
+from ..netlink import delete_tap, ensure_tap
 from ..pool import DEFAULT_VNC_LISTEN, DisplayPool, new_vnc_password, vnc_owner
 from .accel import AccelProbe
 from .disks import Disks, overlay
@@ -105,6 +106,7 @@ class QemuDriver:
         tcg_tb_size_mib: int = 64,
         nic_model: str = "virtio-net-pci",
         base_disk_mib: int = 64,
+        user_network: bool = True,
     ) -> None:
         if accel not in ("auto", "kvm", "tcg"):
             raise ValueError(f"accel must be auto, kvm or tcg, not {accel!r}")
@@ -121,7 +123,7 @@ class QemuDriver:
         self._qemu = Qemu(
             binary=binary, machine=machine, qmp_timeout=qmp_timeout, start_timeout=start_timeout,
             stop_timeout=stop_timeout, kernel_append=kernel_append, tcg_tb_size_mib=tcg_tb_size_mib,
-            nic_model=nic_model, vnc_listen=vnc_listen,
+            nic_model=nic_model, vnc_listen=vnc_listen, user_network=user_network,
         )  # fmt: skip
         self._migration = Migration(self._qemu, timeout=migrate_timeout)
         self.vnc_listen = vnc_listen
@@ -241,8 +243,10 @@ class QemuDriver:
         check_in_store(self.image_store, spec.image, files or ())
 
     async def _launch(self, vm: VM, *, incoming: bool = False) -> None:
-        """Start vm's QEMU (see Qemu.launch) and watch for its exit."""
+        """Start vm's QEMU (see Qemu.launch) and watch for its exit; its tap first (bridge networking)."""
         self._check_image(vm.spec)
+        if vm.spec.net is not None:
+            await ensure_tap(vm.spec.net)
         await self._qemu.launch(vm, await self.resolve_accel(), incoming=incoming)
         self._watch_exit(vm)
 
@@ -295,6 +299,8 @@ class QemuDriver:
             self._qemu.kill(vm)  # a QEMU whose record is gone would be a leak
             await self._qemu.reap(vm, 2.0)
         self._release_display(vm)
+        with contextlib.suppress(RuntimeFailure):
+            await delete_tap(vm.spec.net)
         if not self._closed:
             self._hub.publish(VMGoneEvent(vm_id=vm.vm_id))
 
@@ -328,7 +334,9 @@ class QemuDriver:
             vnc_display=vm.record.vnc_display,
             vnc_password=vm.record.vnc_password if vm.record.vnc_display is not None else None,
             probe_host_port=vm.record.probe_host_port,
-            ip=GUEST_IP if vm.spec.image is not None else None,
+            # bridge networking: the pool's address; user networking has none worth reporting (QEMU's
+            # 10.0.2.15 is the same inside every guest and unreachable from the host)
+            ip=vm.spec.net.ip if vm.spec.net is not None else None,
             labels=dict(vm.spec.labels),
             exit_code=vm.record.exit_code if vm.state == "exited" else None,
         )
@@ -411,6 +419,8 @@ class QemuDriver:
                     self._vms.pop(spec.vm_id, None)
                     self._release_display(vm)
                     shutil.rmtree(vm_dir, ignore_errors=True)
+                    with contextlib.suppress(RuntimeFailure):
+                        await delete_tap(spec.net)
                     raise
             return self._info(vm)
 
@@ -464,6 +474,7 @@ class QemuDriver:
             self._mark_exited(vm, None)
             self._vms.pop(vm_id, None)
             self._release_display(vm)
+            await delete_tap(vm.spec.net)  # the QEMU that had it open is gone
             await asyncio.to_thread(shutil.rmtree, vm_dir, True)
 
     async def snapshot(self, vm_id: str, dest: str) -> SnapshotInfo:
@@ -486,6 +497,7 @@ class QemuDriver:
             await self._disks.save(vm.dir, disk)
             self._vms.pop(vm_id, None)
             self._release_display(vm)
+            await delete_tap(vm.spec.net)
             await asyncio.to_thread(shutil.rmtree, vm.dir, True)
             size = os.path.getsize(dest) + os.path.getsize(disk)
             return SnapshotInfo(vm_id=vm_id, path=dest, size_bytes=size, seconds=time.monotonic() - t0)
@@ -525,6 +537,8 @@ class QemuDriver:
                     self._vms.pop(spec.vm_id, None)
                     self._release_display(vm)
                     shutil.rmtree(vm_dir, ignore_errors=True)
+                    with contextlib.suppress(RuntimeFailure):
+                        await delete_tap(spec.net)
                     raise
             return self._info(vm)
 
@@ -537,6 +551,8 @@ class QemuDriver:
         vm = await self._known(vm_id)
         if vm is None or vm.state == "exited" or not self._qemu.alive(vm):
             return False
+        if vm.spec.net is not None and vm.spec.probe_port is not None:
+            return await tcp_probe(vm.spec.net.ip, vm.spec.probe_port, self.probe_request, self.probe_timeout)
         if vm.spec.probe_port is None or vm.record.probe_host_port is None:
             try:
                 return await self._qemu.query_state(vm) == "running"

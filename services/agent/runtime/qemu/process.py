@@ -120,6 +120,7 @@ class Qemu:
         tcg_tb_size_mib: int,
         nic_model: str,
         vnc_listen: str = "127.0.0.1",
+        user_network: bool = True,
     ) -> None:
         self.qemu_binary = binary
         self.machine = machine
@@ -130,6 +131,7 @@ class Qemu:
         self.tcg_tb_size_mib = tcg_tb_size_mib
         self.nic_model = nic_model
         self.vnc_listen = vnc_listen
+        self.user_network = user_network  # a VM without a NetAttach gets QEMU user networking (else no NIC)
 
     @staticmethod
     def save_record(vm: VM) -> None:
@@ -155,7 +157,13 @@ class Qemu:
             "-global", "isa-debugcon.iobase=0x402",
             "-drive", f"file={overlay(d)},format=qcow2,if=virtio,id=disk0",
         ]  # fmt: skip
-        if spec.image is not None or spec.probe_port is not None:
+        if spec.net is not None:
+            # bridge networking: the VM's own tap (made by the driver before launch), its MAC from its
+            # address; the guest image reads its address from the kernel command line
+            netdev = (f"tap,id=net0,ifname={spec.net.tap},script=no,downscript=no" if spec.net.tap
+                      else "user,id=net0,restrict=on")
+            args += ["-netdev", netdev, "-device", f"{self.nic_model},netdev=net0,mac={spec.net.mac},romfile="]
+        elif self.user_network and (spec.image is not None or spec.probe_port is not None):
             netdev = "user,id=net0"
             if spec.probe_port is not None and vm.record.probe_host_port is not None:
                 netdev += f",hostfwd=tcp:127.0.0.1:{vm.record.probe_host_port}-:{spec.probe_port}"
@@ -168,7 +176,10 @@ class Qemu:
             files = image_files(spec.image)
             if files is None:
                 raise RuntimeFailure(f"{spec.vm_id}: image {spec.image} has no vmlinuz + initramfs.cpio.gz")
-            args += ["-kernel", files[0], "-initrd", files[1], "-append", self.kernel_append]
+            append = self.kernel_append
+            if spec.net is not None:
+                append += f" vmfence.ip={spec.net.ip}/{spec.net.prefix} vmfence.gw={spec.net.gateway}"
+            args += ["-kernel", files[0], "-initrd", files[1], "-append", append]
         if incoming:
             args += ["-incoming", "defer"]
         return args
@@ -178,7 +189,8 @@ class Qemu:
         A host port the guest's probe port is forwarded to can be taken meanwhile: up to 3 tries."""
         vm.record.accel = accel
         for attempt in range(3):
-            if vm.spec.probe_port is not None and (vm.record.probe_host_port is None or attempt > 0):
+            if vm.spec.probe_port is not None and vm.spec.net is None and (
+                    vm.record.probe_host_port is None or attempt > 0):
                 vm.record.probe_host_port = free_tcp_port()
             vm.record.exit_code = vm.record.exit_signal = None
             vm.record.stopped = False
