@@ -45,6 +45,22 @@ def parse_listen(text: str) -> str:
         raise ValueError("is not an IP address") from None
 
 
+def parse_cidr_text(text: str) -> str:
+    """An IPv4 subnet (network bits only), or empty."""
+    if not text.strip():
+        return ""
+    net = ipaddress.IPv4Network(text.strip(), strict=False)
+    if str(net) != text.strip():
+        raise ValueError(f"is not a subnet's own address (did you mean {net}?)")
+    if not 8 <= net.prefixlen <= 29:
+        raise ValueError("needs a prefix between /8 and /29")
+    return str(net)
+
+
+def parse_optional_ip(text: str) -> str:
+    return parse_listen(text) if text.strip() else ""
+
+
 def _default_host() -> str:
     name = socket.gethostname().split(".", 1)[0]
     safe = re.sub(r"[^A-Za-z0-9_-]", "-", name)[:63].strip("-_")
@@ -77,6 +93,17 @@ class AgentConfig(ServiceSettings):
     )
     vnc_listen: str = setting("127.0.0.1", "address VNC displays listen on (each VM's has its own password)",
                               parse=parse_listen, metavar="ADDRESS")
+    network: str = setting("bridge", "pod networking: bridge (a bridge, an address pool and a tap per VM; the sim "
+                           "allocates addresses only), user (QEMU user networking: no address is reported) or none",
+                           choices=("bridge", "user", "none"))
+    pod_cidr: str = setting("", "this host's pod subnet, e.g. 10.240.7.0/24 (its first address is the bridge's)",
+                            parse=parse_cidr_text, metavar="CIDR",
+                            shown_default="a free /24 of --pod-cidr-pool, kept in <data-dir>/network.json")
+    pod_cidr_pool: str = setting("10.240.0.0/16", "where a host without --pod-cidr leases its /24",
+                                 parse=parse_cidr_text, metavar="CIDR")
+    host_ip: str = setting("", "this host's address in its heartbeat (the Node's InternalIP, pods' hostIP)",
+                           parse=parse_optional_ip, metavar="ADDRESS",
+                           shown_default="the pod network's gateway (bridge networking), else none")
     cpus: int = setting(help="CPU capacity reported in the heartbeat", factory=lambda: os.cpu_count() or 1,
                         lo=1, shown_default="the CPU count")
     memory_mib: int = setting(4096, "memory capacity (MiB) reported in the heartbeat", lo=16)
@@ -98,6 +125,10 @@ class AgentConfig(ServiceSettings):
     retry_base: float = _seconds(1.0, "seconds before the first redelivery of a command that failed")
     retry_max: float = _seconds(60.0, "longest wait between redeliveries of a failing command")
     connect_timeout: float = _seconds(30.0, "seconds each startup network step may take (NATS connect, consumer, KV)")
+    collect_interval: float = _seconds(60.0, "seconds between collector passes (unowned snapshots, VM "
+                                             "directories, addresses, taps)")
+    collect_grace: float = setting(600.0, "seconds an unowned snapshot or VM directory is left before it is "
+                                          "collected", lo=0.0)
     provision: bool = setting(False, "create/update streams and buckets at start (development stacks)")
     cleanup_on_stop: bool = setting(False, "remove this agent's VMs on stop (throw-away local stacks only)")
     sim_seed: int = setting(0, "sim runtime random seed")
