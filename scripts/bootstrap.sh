@@ -24,6 +24,15 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
   apt-get install -y -qq chromium >/dev/null || echo "bootstrap: chromium install failed; the browser test will be skipped" >&2
 fi
 
+# podman (run as root with runc) and debootstrap for `make images` and the compose stack test
+if { ! command -v podman >/dev/null 2>&1 || ! command -v runc >/dev/null 2>&1 || ! command -v debootstrap >/dev/null 2>&1; } \
+   && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "bootstrap: installing podman, runc and debootstrap from apt (make images)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >/dev/null || true
+  apt-get install -y -qq podman runc debootstrap >/dev/null || echo "bootstrap: podman install failed; make images will say why" >&2
+fi
+
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

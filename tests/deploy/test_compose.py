@@ -71,6 +71,9 @@ def test_schema_rejects_a_broken_file(compose: dict[str, Any]) -> None:
 
 
 def _compose_cli() -> list[str] | None:
+    pc = find_tool("podman-compose")  # the pinned one of the dev extras: what `make images` users run
+    if pc:
+        return [pc]
     dc = find_tool("docker-compose")
     if dc:
         return [dc]
@@ -83,18 +86,24 @@ def _compose_cli() -> list[str] | None:
 
 
 def test_compose_cli_accepts_it() -> None:
-    """Optional second opinion from the real parser (`docker compose config` needs no engine)."""
+    """A second opinion from a real Compose implementation (`config` starts nothing)."""
     cmd = _compose_cli()
     if cmd is None:
-        pytest.skip("no docker compose CLI installed")
+        pytest.skip("no compose CLI installed (podman-compose is in the dev extras)")
+    quiet = [] if "podman-compose" in cmd[0] else ["-q"]
     res = subprocess.run(
-        [*cmd, "-f", str(REPO / "compose.yaml"), "--profile", "dev", "--profile", "qemu", "config", "-q"],
+        [*cmd, "-f", str(REPO / "compose.yaml"), "-f", str(REPO / "deploy" / "compose" / "kvm.yaml"),
+         "--profile", "dev", "config", *quiet],
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=60,
         env={k: v for k, v in os.environ.items() if not k.startswith("VMFENCE_")},
     )
     assert res.returncode == 0, res.stderr
+    if not quiet:
+        resolved = yaml.safe_load(res.stdout)
+        assert {f"agent-host-{h}" for h in "abc"} <= set(resolved["services"])
+        assert resolved["services"]["agent-host-b"]["environment"]["VMFENCE_ACCEL"] == "kvm", "kvm.yaml merges"
 
 
 def test_three_node_jetstream_cluster(compose: dict[str, Any]) -> None:
@@ -121,8 +130,7 @@ def test_services_and_profiles(compose: dict[str, Any]) -> None:
         "agent-host-c",
     }
     assert vmfence["apiserver"]["profiles"] == ["dev"]
-    assert vmfence["agent-host-c"]["profiles"] == ["qemu"]
-    for name in ("watcher", "reconciler-1", "reconciler-2", "agent-host-a", "agent-host-b"):
+    for name in ("watcher", "reconciler-1", "reconciler-2", "agent-host-a", "agent-host-b", "agent-host-c"):
         assert "profiles" not in vmfence[name], f"{name} runs by default"
 
     for name, svc in vmfence.items():
@@ -141,11 +149,52 @@ def test_services_and_profiles(compose: dict[str, Any]) -> None:
     for r in ("reconciler-1", "reconciler-2"):
         assert _env(vmfence[r])["VMFENCE_DATA_DIR"]
 
-    for a in ("agent-host-a", "agent-host-b"):
-        assert _env(vmfence[a])["VMFENCE_RUNTIME"] == "sim"
-    q = vmfence["agent-host-c"]
-    assert _env(q)["VMFENCE_RUNTIME"] == "qemu"
-    assert any(str(d).startswith("/dev/kvm") for d in q["devices"])
+
+def test_three_qemu_hosts(compose: dict[str, Any]) -> None:
+    """Three agents, each a QEMU host of its own: distinct host names, volumes and VNC ports, TCG
+    unless told otherwise, the guest images mounted read-only."""
+    services = interpolate(compose["services"], {})
+    agents = {n: s for n, s in services.items() if s.get("command", [None])[0] == "agent"}
+    assert sorted(agents) == ["agent-host-a", "agent-host-b", "agent-host-c"]
+    vnc: list[set[int]] = []
+    for name, svc in agents.items():
+        env = _env(svc)
+        assert env["VMFENCE_RUNTIME"] == "qemu", name
+        assert env["VMFENCE_ACCEL"] == "tcg", f"{name}: KVM only through deploy/compose/kvm.yaml"
+        assert env["VMFENCE_HOST"] == name.removeprefix("agent-") == svc["hostname"]
+        assert any(str(v).endswith(":/var/lib/vmfence/images/guest:ro") for v in svc["volumes"]), name
+        first, last = map(int, env["VMFENCE_VNC_PORTS"].split("-"))
+        vnc.append(set(range(first, last + 1)))
+        assert "devices" not in svc, f"{name}: no /dev/kvm in the shipped file"
+    assert not (vnc[0] & vnc[1]) and not (vnc[0] & vnc[2]) and not (vnc[1] & vnc[2]), "VNC ranges overlap"
+    vols = [v.split(":")[0] for s in agents.values() for v in s["volumes"] if not str(v).startswith(("$", "."))]
+    assert len(vols) == len(set(vols)) == 6, "a ledger and a snapshot volume per host"
+
+    kvm = yaml.safe_load((REPO / "deploy" / "compose" / "kvm.yaml").read_text())
+    assert sorted(kvm["services"]) == sorted(agents)
+    for svc in kvm["services"].values():
+        assert svc["environment"]["VMFENCE_ACCEL"] == "kvm"
+        assert any(str(d).startswith("/dev/kvm") for d in svc["devices"])
+
+
+def test_partitionable_networks(compose: dict[str, Any]) -> None:
+    """Routes between the NATS servers on a network of their own (a NATS node can be cut off from
+    its peers and still serve clients); the dev API server off the bus network."""
+    services = compose["services"]
+    for n in (1, 2, 3):
+        nets = services[f"nats-{n}"]["networks"]
+        assert set(nets) == {"bus", "routes"}
+        assert nets["routes"]["aliases"] == [f"nats-{n}-route"]
+        conf = (NATS_DIR / f"nats-{n}.conf").read_text()
+        assert f"advertise: nats-{n}-route:6222" in conf
+        assert set(re.findall(r"nats-route://([\w-]+):6222", conf)) == {"nats-1-route", "nats-2-route", "nats-3-route"}
+    for name, svc in services.items():
+        if name.startswith("nats-"):
+            continue
+        nets = set(svc.get("networks") or compose["x-vmfence"]["networks"])
+        assert "routes" not in nets, name
+        assert ("kube" in nets) == (name in {"apiserver", "watcher", "reconciler-1", "reconciler-2"}), name
+        assert ("bus" in nets) == (name != "apiserver"), name
 
 
 def test_agents_hold_no_kubernetes_credentials(compose: dict[str, Any]) -> None:

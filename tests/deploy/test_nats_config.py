@@ -71,7 +71,10 @@ def test_node_config_syntax(conf: Path) -> None:
     assert re.search(r"sync_interval:\s*always", text), "JetStream must fsync before acknowledging"
     assert "include ./accounts.conf" in text
     for n in (1, 2, 3):
-        assert f"nats-{n}:6222" in text, "every node routes to all three"
+        assert f"nats-route://nats-{n}-route:6222" in text, "every node routes to all three (route-only names)"
+    assert re.search(r"^\s+advertise:\s*nats-[123]-route:6222$", text, re.M), "peers learn the route-only name"
+    # a client whose network is gone is dropped within about 30 s (3 pings 10 s apart)
+    assert re.search(r'^ping_interval:\s*"10s"$', text, re.M) and re.search(r"^ping_max:\s*3$", text, re.M)
 
 
 def test_node_config_refuses_to_start_without_passwords() -> None:
@@ -502,7 +505,9 @@ def cluster_node_config(n: int, workdir: Path, ports: dict[int, tuple[int, int, 
     )
     assert subs == 1, "cluster listen"
     for m in (1, 2, 3):
-        text = text.replace(f"nats-route://nats-{m}:6222", f"nats-route://127.0.0.1:{ports[m][2]}")
+        text = text.replace(f"nats-route://nats-{m}-route:6222", f"nats-route://127.0.0.1:{ports[m][2]}")
+    text, subs = re.subn(r"^(\s+)advertise:.*$", rf"\g<1>advertise: 127.0.0.1:{route}", text, flags=re.M)
+    assert subs == 1, "cluster advertise"
     rel = os.path.relpath(NATS_DIR / "accounts.conf", workdir)
     return text.replace("include ./accounts.conf", f"include {rel}")
 
