@@ -1,0 +1,424 @@
+"""The stack as compose runs it, one OS process per component, for the throughput figures.
+
+nats-server, the development API server, the watcher, each sim agent and each reconciler are
+separate processes; the benchmark's own process only creates pods, watches them and reads the
+log. CPU is read from ``/proc/<pid>/stat`` (utime + stime) of every component before and after a
+phase, so each figure says what each component spent per pod — and what the harness spent, apart.
+
+The same-run baselines: the same client creating and deleting the same pods on a bare development
+API server process (its CPU per create is the floor under the API server's share), and the raw
+JetStream publish rate of the benchmark's own connection.
+"""
+
+# /proc reads are microseconds; the figures are seconds long.
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.testbed.bench.suite import (
+    NS,
+    PodTracker,
+    _bounded,
+    _pod,
+    bound_times,
+    count_decisions,
+    log_last_seq,
+    pct,
+    r4,
+)
+from services.testbed.chaos.processes import Proc, _svc
+
+HOSTS = ("host-a", "host-b")
+PARTITIONS = 8
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+READY_S = 60.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (all its threads), in seconds; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return 0.0
+    fields = raw[raw.rindex(b")") + 2 :].split()  # after "pid (comm) "
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+@dataclass
+class CpuMeter:
+    """CPU seconds per component between ``start()`` and ``stop()``."""
+
+    pids: Callable[[], dict[str, int]]
+    _t0: dict[str, float] = field(default_factory=dict)
+    spent: dict[str, float] = field(default_factory=dict)
+
+    def start(self) -> None:
+        self._t0 = {name: cpu_seconds(pid) for name, pid in self.pids().items()}
+
+    def stop(self) -> dict[str, float]:
+        self.spent = {name: cpu_seconds(pid) - self._t0.get(name, 0.0) for name, pid in self.pids().items()}
+        return self.spent
+
+    @staticmethod
+    def per_unit_ms(spent: dict[str, float], units: int) -> dict[str, float]:
+        """Milliseconds of CPU per unit, by component (components of one kind summed) and total."""
+        by_kind: dict[str, float] = {}
+        for name, s in spent.items():
+            kind = "agent" if name.startswith("agent-") else "reconciler" if name.startswith("reconciler-") else name
+            if kind == "harness":
+                continue
+            by_kind[kind] = by_kind.get(kind, 0.0) + s
+        out = {k: round(1000 * v / max(1, units), 3) for k, v in sorted(by_kind.items())}
+        out["total"] = round(1000 * sum(by_kind.values()) / max(1, units), 3)
+        if "harness" in spent:
+            out["harness_not_in_total"] = round(1000 * spent["harness"] / max(1, units), 3)
+        return out
+
+
+class FleetBench:
+    """Processes: nats-server (one node), apiserver, watcher, two sim agents, two reconcilers."""
+
+    def __init__(self, size: dict[str, Any], tmp: str) -> None:
+        self.size = size
+        self.dir = Path(tmp) / "fleet"
+        self.procs: dict[str, Proc] = {}
+        self.nats: Any = None
+        self.bus: Any = None
+        self.api: Any = None
+        self.core: Any = None
+        self.tracker: PodTracker | None = None
+        self._tracker_task: asyncio.Task[None] | None = None
+        self.kubeconfig = ""
+
+    def pids(self) -> dict[str, int]:
+        out = {name: p.popen.pid for name, p in self.procs.items() if p.popen is not None}
+        if self.nats is not None and self.nats.pid is not None:
+            out["nats"] = self.nats.pid
+        out["harness"] = os.getpid()
+        return out
+
+    async def __aenter__(self) -> FleetBench:
+        from kubernetes_asyncio import client, config
+
+        from services.testbed.natsserver import agent_user, free_port, local_accounts, start_nats
+        from services.testbed.stack import HARNESS_USER, private_dir
+        from shared.bus.connect import Bus
+        from shared.bus.provision import StreamsConfig, provision
+        from shared.subjects import Subjects
+
+        private_dir(self.dir)
+        logs = private_dir(self.dir / "logs")
+        accounts, users = local_accounts(HOSTS)
+        self.nats = await start_nats(store_dir=str(private_dir(self.dir / "nats")), config_text=accounts)
+        url = self.nats.url
+        self.subjects = Subjects(partitions=PARTITIONS)
+        self.bus = await Bus.open([url], name="vmfence-bench", subjects=self.subjects, auth=users.auth(HARNESS_USER))
+        prov = await Bus.open([url], name="vmfence-bench-provision", subjects=self.subjects,
+                              auth=users.auth("reconciler"))
+        try:
+            await provision(prov.js, self.subjects, StreamsConfig(partitions=PARTITIONS))
+        finally:
+            await prov.close()
+        self.kubeconfig = str(self.dir / "kubeconfig")
+        port = free_port()
+        self.procs["apiserver"] = Proc(
+            "apiserver", "apiserver",
+            _svc("apiserver", "--port", str(port), "--kubeconfig-out", self.kubeconfig), port, logs / "apiserver.log",
+        )  # fmt: skip
+        self.procs["apiserver"].start()
+        if not await self.procs["apiserver"].wait_ready(READY_S):
+            raise RuntimeError(f"apiserver not ready:\n{self.procs['apiserver'].tail()}")
+        for host in HOSTS:
+            port = free_port()
+            self.procs[f"agent-{host}"] = Proc(
+                f"agent-{host}", "agent",
+                _svc("agent", "--nats-url", url, "--host", host, "--runtime", "sim",
+                     "--data-dir", str(self.dir / "agents" / host), "--http-host", "127.0.0.1",
+                     "--http-port", str(port), "--partitions", str(PARTITIONS), "--cpus", "100000",
+                     "--memory-mib", str(10**8), "--vnc-range", "none", "--network", "user"),
+                port, logs / f"agent-{host}.log", env=users.env(agent_user(host)),
+            )  # fmt: skip
+        port = free_port()
+        self.procs["watcher"] = Proc(
+            "watcher", "watcher",
+            _svc("watcher", "--nats-url", url, "--kubeconfig", self.kubeconfig, "--partitions", str(PARTITIONS),
+                 "--namespace", NS, "--http-host", "127.0.0.1", "--http-port", str(port)),
+            port, logs / "watcher.log", env=users.env("watcher"),
+        )  # fmt: skip
+        for i in (1, 2):
+            port = free_port()
+            name = f"reconciler-{i}"
+            self.procs[name] = Proc(
+                name, "reconciler",
+                _svc("reconciler", "--nats-url", url, "--kubeconfig", self.kubeconfig, "--id", name,
+                     "--partitions", str(PARTITIONS), "--data-dir", str(self.dir / "reconcilers"),
+                     "--http-host", "127.0.0.1", "--http-port", str(port)),
+                port, logs / f"{name}.log", env=users.env("reconciler"),
+            )  # fmt: skip
+        for p in self.procs.values():
+            if not p.running:
+                p.start()
+        for p in self.procs.values():
+            if not await p.wait_ready(READY_S):
+                raise RuntimeError(f"{p.name} not ready within {READY_S:.0f}s:\n{p.tail()}")
+        cfg = client.Configuration()
+        await config.load_kube_config(config_file=self.kubeconfig, client_configuration=cfg)
+        self.api = client.ApiClient(cfg)
+        self.core = client.CoreV1Api(self.api)
+        self.tracker = PodTracker(self.core)
+        self._tracker_task = asyncio.create_task(self.tracker.run(), name="pod-tracker")
+        await asyncio.wait_for(self.tracker.synced.wait(), 30)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._tracker_task is not None:
+            self._tracker_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._tracker_task
+        for obj in (self.api, self.bus):
+            if obj is not None:
+                with contextlib.suppress(Exception):
+                    await obj.close()
+        order = ["reconciler-1", "reconciler-2", "watcher", *(f"agent-{h}" for h in HOSTS), "apiserver"]
+        for group in (order[:3], order[3:5], order[5:]):
+            await asyncio.gather(*(self.procs[n].stop() for n in group if n in self.procs))
+        if self.nats is not None:
+            await self.nats.stop()
+
+    # ------------------------------------------------------------------------------ actions
+    async def create(self, name: str) -> float:
+        resp = await self.core.create_namespaced_pod(NS, _pod(name), _preload_content=False)
+        await resp.read()
+        if resp.status >= 300:
+            raise RuntimeError(f"create {name}: HTTP {resp.status}")
+        return time.time()
+
+    async def _create_only(self, name: str) -> None:
+        await self.create(name)
+
+    async def delete(self, name: str) -> None:
+        resp = await self.core.delete_namespaced_pod(name, NS, _preload_content=False)
+        await resp.read()
+
+    async def vms(self) -> int:
+        """VMs the agents' ledgers hold (their /metrics ``vmfence_vms`` gauges, summed)."""
+        total = 0.0
+        for name in (f"agent-{h}" for h in HOSTS):
+            body = await _http_get(self.procs[name].port, "/metrics")
+            for line in body.splitlines():
+                if line.startswith("vmfence_vms{"):
+                    total += float(line.rsplit(" ", 1)[1])
+        return int(total)
+
+    async def delete_all_and_wait(self, names: list[str], timeout: float) -> tuple[float, float]:  # noqa: ASYNC109
+        """Graceful deletes (the reconciler removes the VM, then the pod); (issue s, to zero pods and VMs s)."""
+        assert self.tracker is not None
+        t0 = time.time()
+        await _bounded(len(names), self.size["create_concurrency"], lambda i: self.delete(names[i]))
+        issued = time.time() - t0
+        wanted = set(names)
+        await self.tracker.wait(lambda: not (self.tracker.present & wanted), timeout,  # type: ignore[union-attr]
+                                f"{len(names)} pods deleted")
+        deadline = time.monotonic() + timeout
+        while await self.vms() > 0:  # the agents' gauges follow their heartbeat: bounded polling
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{await self.vms()} VMs left after delete")
+            await asyncio.sleep(0.1)
+        return issued, time.time() - t0
+
+    # ------------------------------------------------------------------------------ figures
+    async def pods(self, n: int) -> dict[str, Any]:
+        """n pods created as fast as the client can, to all Running, then deleted to zero VMs;
+        CPU per pod by component over the whole create+delete cycle."""
+        assert self.tracker is not None
+        js, subjects = self.bus.js, self.subjects
+        names = [f"pod{n}-{i}" for i in range(n)]
+        start_seq = await log_last_seq(js, subjects) + 1
+        meter = CpuMeter(self.pids)
+        meter.start()
+        t0 = time.time()
+        await _bounded(n, self.size["create_concurrency"], lambda i: self._create_only(names[i]))
+        created_s = time.time() - t0
+        t_run = await self.tracker.wait(lambda: all(nm in self.tracker.running_at for nm in names),  # type: ignore[union-attr]
+                                        120 + n / 10, f"{n} pods Running")
+        up = meter.stop()
+        entries, decisions = await count_decisions(js, subjects, start_seq)
+        meter.start()
+        issued, to_zero = await self.delete_all_and_wait(names, 120 + n / 10)
+        down = meter.stop()
+        both = {k: up.get(k, 0.0) + down.get(k, 0.0) for k in up.keys() | down.keys()}
+        return {
+            "pods": n,
+            "create_issue_s": round(created_s, 3),
+            "to_running_s": round(t_run - t0, 3),
+            "pods_per_s": round(n / (t_run - t0), 1),
+            "delete_issue_s": round(issued, 3),
+            "delete_to_zero_s": round(to_zero, 3),
+            "entries_per_pod": round(entries / n, 2),
+            "decisions_per_pod": round(decisions / n, 2),
+            "cpu_ms_per_pod": CpuMeter.per_unit_ms(both, n),
+            "cpu_ms_per_pod_up": CpuMeter.per_unit_ms(up, n),
+        }
+
+    async def latency(self, rate: int, seconds: float) -> dict[str, Any]:
+        """Offered load ``rate`` pods/s for ``seconds``, creates on a fixed schedule: a slow system
+        shows as latency, not as fewer pods."""
+        assert self.tracker is not None
+        js, subjects = self.bus.js, self.subjects
+        n = max(1, int(rate * seconds))
+        names = [f"lat{rate}-{i}" for i in range(n)]
+        created: dict[str, float] = {}
+        start_seq = await log_last_seq(js, subjects) + 1
+
+        async def one(name: str) -> None:
+            created[name] = await self.create(name)
+
+        meter = CpuMeter(self.pids)
+        meter.start()
+        t_start = time.monotonic()
+        async with asyncio.TaskGroup() as tg:
+            for i, name in enumerate(names):
+                delay = t_start + i / rate - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tg.create_task(one(name))
+            offered_s = time.monotonic() - t_start
+        await self.tracker.wait(lambda: all(nm in self.tracker.running_at for nm in names),  # type: ignore[union-attr]
+                                120 + n / 20, f"{n} pods Running at {rate}/s")
+        spent = meter.stop()
+        end_seq = await log_last_seq(js, subjects)
+        bound = await bound_times(js, subjects, start_seq, end_seq)
+        to_bound, total = [], []
+        for name in names:
+            t1 = bound.get(f"{NS}/{name}")
+            total.append(self.tracker.running_at[name] - created[name])
+            if t1 is not None:
+                to_bound.append(t1 - created[name])
+        await self.delete_all_and_wait(names, 120 + n / 20)
+        return {
+            "offered_per_s": rate,
+            "pods": n,
+            "achieved_create_per_s": round(n / offered_s, 1) if offered_s > 0 else None,
+            "to_bound_p50_s": r4(pct(to_bound, 50)),
+            "to_bound_p99_s": r4(pct(to_bound, 99)),
+            "to_running_p50_s": r4(pct(total, 50)),
+            "to_running_p99_s": r4(pct(total, 99)),
+            "bound_seen": len(to_bound),
+            "cpu_ms_per_pod": CpuMeter.per_unit_ms(spent, n),
+        }
+
+
+async def _http_get(port: int, path: str) -> str:
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+    try:
+        writer.write(f"GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    return raw.partition(b"\r\n\r\n")[2].decode(errors="replace")
+
+
+async def bare_api_baseline(n: int, concurrency: int, tmp: str) -> dict[str, Any]:
+    """The same client creating then deleting (grace 0) n pods on a bare development API server
+    process: its create rate and its CPU per create, the floor under the stack's API-server share."""
+    from kubernetes_asyncio import client, config
+
+    from services.testbed.natsserver import free_port
+
+    d = Path(tmp) / "bare-api"
+    d.mkdir(parents=True, exist_ok=True)
+    kubeconfig = str(d / "kubeconfig")
+    port = free_port()
+    proc = Proc("apiserver", "apiserver", _svc("apiserver", "--port", str(port), "--kubeconfig-out", kubeconfig),
+                port, d / "apiserver.log")
+    proc.start()
+    try:
+        if not await proc.wait_ready(READY_S):
+            raise RuntimeError(f"bare apiserver not ready:\n{proc.tail()}")
+        cfg = client.Configuration()
+        await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        async with client.ApiClient(cfg) as api:
+            core = client.CoreV1Api(api)
+
+            async def create(i: int) -> None:
+                resp = await core.create_namespaced_pod(NS, _pod(f"base-{i}"), _preload_content=False)
+                await resp.read()
+
+            async def delete(i: int) -> None:
+                resp = await core.delete_namespaced_pod(f"base-{i}", NS, grace_period_seconds=0,
+                                                        _preload_content=False)
+                await resp.read()
+
+            assert proc.popen is not None
+            pid = proc.popen.pid
+            c0, t0 = cpu_seconds(pid), time.perf_counter()
+            await _bounded(n, concurrency, create)
+            create_s, c1 = time.perf_counter() - t0, cpu_seconds(pid)
+            t0 = time.perf_counter()
+            await _bounded(n, concurrency, delete)
+            delete_s, c2 = time.perf_counter() - t0, cpu_seconds(pid)
+    finally:
+        await proc.stop()
+    return {
+        "pods": n,
+        "creates_per_s": round(n / create_s, 1),
+        "deletes_per_s": round(n / delete_s, 1),
+        "apiserver_cpu_ms_per_create": round(1000 * (c1 - c0) / n, 3),
+        "apiserver_cpu_ms_per_delete": round(1000 * (c2 - c1) / n, 3),
+    }
+
+
+async def run_fleet(size: dict[str, Any], sizes: list[int], loads: list[int], seconds: float, tmp: str,
+                    say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """The throughput figures (issue 14): pods at each size, latency at each load, baselines."""
+    from services.testbed.bench.command import raw_publish_rates
+
+    out: dict[str, Any] = {"layout": "one process per component: " + ", ".join(
+        ["nats-server", "apiserver", "watcher", *(f"agent-{h} (sim)" for h in HOSTS), "reconciler-1", "reconciler-2"]
+    )}
+    say("baseline: bare API server")
+    out["bare_api"] = [await bare_api_baseline(n, size["create_concurrency"], tmp) for n in sorted(set(sizes))]
+    async with FleetBench(size, tmp) as fleet:
+        say("baseline: raw publish")
+        sync_rate, async_rate = await raw_publish_rates(fleet.bus, size["raw_n"])
+        out["raw_publish_per_s"] = {"sync": round(sync_rate, 1), "async": round(async_rate, 1)}
+        out["pods"] = []
+        for n in sizes:
+            say(f"pods: {n}")
+            out["pods"].append(await fleet.pods(n))
+        out["latency"] = []
+        for rate in loads:
+            say(f"latency at {rate}/s")
+            out["latency"].append(await fleet.latency(rate, seconds))
+    if len(out["pods"]) >= 2:
+        small, large = out["pods"][0], out["pods"][-1]
+        out["scale_ratio"] = round(large["cpu_ms_per_pod"]["total"] / max(1e-9, small["cpu_ms_per_pod"]["total"]), 3)
+    return out
+
+
+def main() -> None:  # pragma: no cover - manual runs: python -m services.testbed.bench.fleet 1000 [rate]
+    import sys
+
+    from services.testbed.bench.suite import SIZES
+    from shared.tasks import run_main
+
+    sizes = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "200").split(",")]
+    loads = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "50").split(",")]
+    tmp = os.environ.get("TMPDIR", "/tmp") + f"/vmfence-fleet-{os.getpid()}"
+    res = run_main(run_fleet(SIZES["smoke"], sizes, loads, 5.0, tmp, say=lambda s: print(s, file=sys.stderr)))
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
