@@ -21,8 +21,12 @@ class NetworkError(RuntimeFailure):
 
 async def run_ip(*args: str, check: bool = True) -> str:
     """One ``ip`` command (bounded); its stdout. A failure raises NetworkError with its stderr."""
-    proc = await asyncio.create_subprocess_exec(
-        "ip", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "ip", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    except FileNotFoundError:
+        raise NetworkError("the `ip` command (iproute2) is not installed: bridge networking needs it and the "
+                           "right to make interfaces (root or CAP_NET_ADMIN); or run with --network user") from None
     try:
         out, err = await asyncio.wait_for(proc.communicate(), IP_TIMEOUT_S)
     except TimeoutError:
