@@ -30,6 +30,8 @@ from kubernetes_asyncio import client, config
 from kubernetes_asyncio.config.config_exception import ConfigException
 
 from services.agent.config import AgentConfig
+from services.agent.runtime.images import install_guest_image
+from services.agent.runtime.qemu import REPO_GUEST_IMAGE
 from services.agent.service import Agent
 from services.apiserver.server import ApiServer, ApiServerConfig, write_kubeconfig
 from services.testbed.natsserver import (
@@ -346,6 +348,8 @@ class LocalStack:
         if self.ack_wait_s:
             agent_cfg = dataclasses.replace(agent_cfg, ack_wait=self.ack_wait_s)
         agent_cfg = agent_cfg.validate()
+        if self.runtime == "qemu":  # pods may name the project's guest image: vmfence.io/image: guest
+            await asyncio.to_thread(install_guest_image, agent_cfg.images, str(REPO_GUEST_IMAGE))
         agent = Agent(agent_cfg)
         ready = asyncio.Event()
         self.agents[host] = agent
