@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from services.agent.ledger import ADDRESS_KIND
+from services.agent.runtime.images import install_guest_image
 from services.agent.runtime.netlink import links, owned
 from services.agent.runtime.qemu import REPO_GUEST_IMAGE
 from tests.e2e.conftest import NS, Env, running_env
@@ -64,11 +65,8 @@ async def ready(env: Env, name: str, uid: str) -> Any:
 async def qenv(tmp_path: Path) -> AsyncIterator[Env]:
     async with running_env(tmp_path / "stack", runtime="qemu", partitions=4, restart_backoff_s=0.2, accel="tcg",
                            hosts=HOSTS) as e:
-        for agent in e.stack.agents.values():  # the guest image in each agent's store (names resolve inside it)
-            dest = Path(agent.config.images) / "guest"
-            dest.mkdir(parents=True, exist_ok=True)
-            for f in ("vmlinuz", "initramfs.cpio.gz"):
-                shutil.copyfile(os.path.join(GUEST, f), dest / f)
+        for agent in e.stack.agents.values():  # the stack installed the guest image in each agent's store
+            install_guest_image(agent.config.images, GUEST)  # (again, should VMFENCE_GUEST_IMAGE name another)
         yield e
 
 

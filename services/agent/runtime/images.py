@@ -12,6 +12,7 @@ may be symlinks too).
 from __future__ import annotations
 
 import os
+import shutil
 
 from shared.fence.podspec import image_name_problem
 
@@ -52,3 +53,27 @@ def check_in_store(store: str, image: str, files: tuple[str, ...] = ()) -> None:
         real = os.path.realpath(p)
         if real == root or not _inside(root, real):
             raise ImageError(f"{IMAGE_FIELD}: {p} resolves outside the image store {root}")
+
+
+GUEST_IMAGE_NAME = "guest"
+GUEST_FILES = ("vmlinuz", "initramfs.cpio.gz", "GUEST_VERSION")
+
+
+def install_guest_image(store: str, source: str) -> str | None:
+    """Copy the project's guest image (``source``, e.g. build/guest) into ``store`` as ``guest``, so
+    pods may name it (``vmfence.io/image: guest``); a copy whose files match is left alone. The
+    image's directory, or None when ``source`` has no image."""
+    if not all(os.path.isfile(os.path.join(source, f)) for f in GUEST_FILES[:2]):
+        return None
+    dest = os.path.join(store, GUEST_IMAGE_NAME)
+    os.makedirs(dest, mode=0o700, exist_ok=True)
+    for f in GUEST_FILES:
+        src, dst = os.path.join(source, f), os.path.join(dest, f)
+        if not os.path.isfile(src):
+            continue
+        if os.path.isfile(dst) and os.path.getsize(dst) == os.path.getsize(src) \
+                and os.path.getmtime(dst) >= os.path.getmtime(src):
+            continue
+        shutil.copyfile(src, dst + ".part")
+        os.replace(dst + ".part", dst)
+    return dest
