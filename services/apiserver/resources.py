@@ -66,7 +66,17 @@ class ResourceType:
             main["categories"] = list(self.categories)
         out = [main]
         for sub in sorted(self.subresources):
-            if sub == "eviction":
+            if sub == "binding":
+                out.append(
+                    {
+                        "name": f"{self.plural}/binding",
+                        "singularName": "",
+                        "namespaced": self.namespaced,
+                        "kind": "Binding",
+                        "verbs": ["create"],
+                    }
+                )
+            elif sub == "eviction":
                 out.append(
                     {
                         "name": f"{self.plural}/eviction",
@@ -116,7 +126,7 @@ def _rt(
 
 BUILTIN: tuple[ResourceType, ...] = (
     _rt("", "v1", "namespaces", "Namespace", False, ("ns",), ("status",)),
-    _rt("", "v1", "pods", "Pod", True, ("po",), ("status", "eviction"), ("all",)),
+    _rt("", "v1", "pods", "Pod", True, ("po",), ("status", "eviction", "binding"), ("all",)),
     _rt("", "v1", "nodes", "Node", False, ("no",), ("status",)),
     _rt("", "v1", "events", "Event", True, ("ev",)),
     _rt("", "v1", "configmaps", "ConfigMap", True, ("cm",)),

@@ -2,7 +2,7 @@
 
 THIS IS A DEVELOPMENT SERVER, NOT A PRODUCTION KUBERNETES API. It exists so that vmfence (and
 its tests and demo) run without a cluster. It speaks the real REST + watch protocol that
-kubernetes-asyncio and kubectl use: discovery, namespaces, pods (+status, eviction), nodes,
+kubernetes-asyncio and kubectl use: discovery, namespaces, pods (+status, eviction, binding), nodes,
 leases, events, the VirtualMachine CRD and CustomResourceDefinitions; one global
 resourceVersion; 409 on stale or UID-mismatched writes and on DeleteOptions preconditions;
 deletionTimestamp with grace periods and finalizers; label/field selectors; watches with
@@ -317,6 +317,10 @@ class _Handlers:
         if t.sub == "eviction":
             assert t.name is not None
             return self._evict(t, body)
+        if t.sub == "binding":
+            assert t.name is not None
+            self.store.bind(t.rt, t.namespace, t.name, body)
+            return 201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
         if t.name is not None:
             raise ApiError(405, "POST is only allowed on collections", "MethodNotAllowed")
         if t.rt.namespaced and t.namespace is None:
@@ -521,6 +525,7 @@ def make_app(store: Store, faults: Faults, config: ApiServerConfig) -> web.Appli
     app = web.Application(middlewares=[_errors_middleware], client_max_size=16 * 1024 * 1024)
     r = app.router
     r.add_get("/version", h.version)
+    r.add_get("/version/", h.version)  # kubernetes clients' VersionApi asks with the slash (the real server answers)
     for path in ("/livez", "/readyz", "/healthz"):
         r.add_get(path, h.health)
     r.add_get("/_dev/faults", h.faults_get)

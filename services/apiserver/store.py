@@ -611,6 +611,44 @@ class Store:
             return self._commit(rt, "DELETED", new, cur)
         return self._commit(rt, "MODIFIED", new, cur)
 
+    def bind(self, rt: ResourceType, namespace: str | None, name: str, body: Any) -> Obj:
+        """``POST pods/<name>/binding`` with the real server's semantics (BindingREST): the name
+        must match, ``target.name`` is required, the Binding's ``metadata.uid`` / ``resourceVersion``
+        are preconditions (409), and a pod that is being deleted or already has a ``nodeName`` is
+        refused with 409 Conflict on ``pods/binding``: a binding never moves a bound pod. It sets
+        ``spec.nodeName``, merges the Binding's annotations and sets ``PodScheduled=True``."""
+        if rt.kind != "Pod" or rt.group != "":
+            raise ApiError(404, "the server could not find the requested resource", "NotFound")
+        if not isinstance(body, dict) or body.get("kind") not in (None, "Binding"):
+            raise ApiError(400, f"not a Binding object: {str(body)[:200]}", "BadRequest")
+        m = body.get("metadata") or {}
+        if not isinstance(m, dict) or m.get("name") != name:
+            raise ApiError(400, "name in URL does not match name in Binding object", "BadRequest")
+        target = body.get("target") or {}
+        node = target.get("name") if isinstance(target, dict) else None
+        if not isinstance(node, str) or not node:
+            raise invalid(rt, name, "target.name", "Required value")
+        if target.get("kind") not in (None, "", "Node"):
+            raise invalid(rt, name, "target.kind", f"Not found: {target.get('kind')!r}")
+        cur = self.get(rt, namespace, name)
+        self.check_preconditions(rt, cur, m.get("uid"), m.get("resourceVersion"), for_delete=True)
+        cm = meta(cur)
+        if cm.get("deletionTimestamp"):
+            raise conflict("pods/binding", name, f"pod {name} is being deleted, cannot be assigned to a host")
+        bound = (cur.get("spec") or {}).get("nodeName")
+        if bound:
+            raise conflict("pods/binding", name, f"pod {name} is already assigned to node {bound!r}".replace("'", '"'))
+        new = copy.deepcopy(cur)
+        new.setdefault("spec", {})["nodeName"] = node
+        ann = m.get("annotations")
+        if isinstance(ann, dict) and ann:
+            new["metadata"].setdefault("annotations", {}).update({str(k): str(v) for k, v in ann.items()})
+        status = new.setdefault("status", {})
+        conds = [c for c in status.get("conditions") or [] if isinstance(c, dict) and c.get("type") != "PodScheduled"]
+        status["conditions"] = [*conds, {"type": "PodScheduled", "status": "True", "lastProbeTime": None,
+                                         "lastTransitionTime": now_rfc3339()}]
+        return self._commit(rt, "MODIFIED", new, cur)
+
     @staticmethod
     def _graceful(rt: ResourceType) -> bool:
         return rt.kind == "Pod" and rt.group == ""

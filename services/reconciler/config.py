@@ -35,6 +35,11 @@ class ReconcilerConfig(ServiceSettings, KubeSettings):
     host_stale_s: float = setting(15.0, "heartbeat age (s) after which a host counts as dead", flag="--host-stale",
                                   lo=1.0)
     restart_backoff_base_s: float = setting(10.0, "first VM restart delay (s)", flag="--restart-backoff", lo=0.0)
+    bind_unscheduled: str = setting(
+        "auto", "pods without spec.nodeName: on = vmfence places and binds them (pods/binding) before their VM, "
+        "as a scheduler does; off = they wait for the scheduler's binding; auto = on against the development API "
+        "server (no scheduler runs there), off against any other (a real control plane has kube-scheduler)",
+        choices=("auto", "on", "off"))
     drift_interval_s: float = setting(60.0, "seconds between drift checks of the held keys against every live "
                                       "host's inventory (vmfence_drift); 0 = off", flag="--drift-interval",
                                       lo=0.0, hi=86400.0)

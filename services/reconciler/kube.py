@@ -74,6 +74,9 @@ COND_HIBERNATED = "vmfence.io/Hibernated"
 COND_SPEC_VALID = "vmfence.io/SpecValid"
 
 
+DEV_SERVER_MARK = "-vmfence-dev"  # in the development server's gitVersion (services/apiserver)
+
+
 class KubeGateway(Protocol):
     async def confirm(self, key: Key, request: str) -> ConfirmedRead: ...
 
@@ -160,21 +163,33 @@ def _keep_unchanged_conditions(cur_list: list[JSON], new_list: list[JSON]) -> li
 _NOT_CREATED = {False: "VMNotCreated", True: "FailedCreate"}  # Initialized=False, by whether a bring-up failed
 
 
-def _pod_conditions(cur: JSON, intent: PodStatusIntent) -> list[JSON]:
+def _pod_conditions(cur: JSON, intent: PodStatusIntent, node: str | None = None) -> list[JSON]:
+    """``node``: the pod's ``spec.nodeName`` (bound: PodScheduled is True whatever its VM does — a
+    dead or full host shows on Initialized, with the reason and why)."""
     cur_list = [c for c in cur.get("conditions") or [] if isinstance(c, dict)]
     cur_by_type = {c.get("type", ""): c for c in cur_list}
     running = intent.phase == "Running" and not intent.hibernated
     ready = intent.ready and running
     done = intent.phase in ("Succeeded", "Failed")
     # a pod refused for an invalid spec never had a host or a VM, whatever its phase says
-    placed = intent.host is not None or (intent.phase != "Pending" and not intent.invalid)
+    placed = bool(node) or intent.host is not None or (intent.phase != "Pending" and not intent.invalid)
     created = intent.vm_id is not None or (intent.phase != "Pending" and not intent.invalid)
     not_ready_reason = "PodCompleted" if done else ("Hibernated" if intent.hibernated else "ContainersNotReady")
     failed_create = intent.reason == "FailedCreate"  # the last bring-up failed: its cause, not "waiting"
+    unplaced = intent.reason == "Unschedulable" and not created  # no host takes it now: why
+    if placed:
+        scheduled = _condition(cur_by_type, "PodScheduled", True, "Scheduled" if node else "Placed")
+    else:
+        scheduled = _condition(cur_by_type, "PodScheduled", False, "Unschedulable" if unplaced else "WaitingForHost",
+                               intent.message if unplaced else None)
+    if created:
+        init_reason = "VMCreated"
+    else:
+        init_reason = "HostUnavailable" if unplaced and placed else _NOT_CREATED[failed_create]
     ours = [
-        _condition(cur_by_type, "PodScheduled", placed, "Placed" if placed else "WaitingForHost"),
-        _condition(cur_by_type, "Initialized", created, "VMCreated" if created else _NOT_CREATED[failed_create],
-                   intent.message if failed_create and not created else None),
+        scheduled,
+        _condition(cur_by_type, "Initialized", created, init_reason,
+                   intent.message if (failed_create or (unplaced and placed)) and not created else None),
         _condition(cur_by_type, "ContainersReady", ready, "VMReady" if ready else not_ready_reason),
         _condition(cur_by_type, "Ready", ready, "VMReady" if ready else not_ready_reason),
     ]
@@ -257,7 +272,8 @@ def pod_status(obj: JSON, intent: PodStatusIntent, host_ip: str | None) -> JSON:
     cur: JSON = dict(obj.get("status") or {})
     new: JSON = dict(cur)
     new["phase"] = intent.phase
-    new["conditions"] = _pod_conditions(cur, intent)
+    node = (obj.get("spec") or {}).get("nodeName")
+    new["conditions"] = _pod_conditions(cur, intent, node if isinstance(node, str) else None)
     new["containerStatuses"] = _container_statuses(obj, cur, intent)
     for k, v in (("reason", intent.reason), ("message", intent.message)):
         if v:
@@ -329,10 +345,11 @@ def runtime_annotations(intent: PodStatusIntent, epoch: int) -> dict[str, str | 
 class _Outcome(Exception):
     """Internal: ends a write with this outcome."""
 
-    def __init__(self, outcome: str, detail: str | None = None) -> None:
+    def __init__(self, outcome: str, detail: str | None = None, node: str | None = None) -> None:
         super().__init__(outcome)
         self.outcome = outcome
         self.detail = detail
+        self.node = node  # a binding's answer: the node the pod is bound to
 
 
 class K8sGateway:
@@ -370,6 +387,16 @@ class K8sGateway:
     async def close(self) -> None:
         if self._owns:
             await self.api.close()
+
+    async def git_version(self) -> str:
+        """The API server's ``/version`` gitVersion ("" when it cannot be read in time)."""
+        try:
+            async with asyncio.timeout(self.call_timeout_s):
+                body = await self._retrying(client.VersionApi(self.api).get_code)
+        except (KubeError, TimeoutError) as exc:
+            log.warning("cannot read the API server's version: %s", exc)
+            return ""
+        return str(body.get("gitVersion") or "")
 
     # --- requests -------------------------------------------------------------------------
     async def _request(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> JSON:
@@ -451,12 +478,14 @@ class K8sGateway:
 
     # --- write ----------------------------------------------------------------------------
     async def write(self, key: Key, write: KubeWrite) -> WriteDone:
-        outcome, detail = "failed", None
+        outcome, detail, node = "failed", None, None
         try:
             async with asyncio.timeout(self.call_timeout_s):
                 if not write.fence.uid:
                     raise _Outcome("failed", "write without a uid fence refused")
-                if write.verb == "status":
+                if write.verb == "bind":
+                    node = await self._bind(key, write)
+                elif write.verb == "status":
                     await self._write_status(key, write)
                 elif write.verb == "evict":
                     await self._evict(key, write.fence)
@@ -468,7 +497,7 @@ class K8sGateway:
                     raise _Outcome("failed", f"unknown verb {write.verb!r}")
                 outcome = "ok"
         except _Outcome as out:
-            outcome, detail = out.outcome, out.detail
+            outcome, detail, node = out.outcome, out.detail, out.node
         except KubeError as exc:
             outcome, detail = "failed", str(exc)
         except TimeoutError:
@@ -476,7 +505,37 @@ class K8sGateway:
         if write.verb == "event" and outcome != "ok":
             log.warning("event %s for %s not written: %s", write.event_reason, key, detail, extra={"key": str(key)})
             outcome = "failed"
-        return WriteDone(fence=write.fence, write_id=write.id, outcome=outcome, detail=detail)  # type: ignore[arg-type]
+        return WriteDone(fence=write.fence, write_id=write.id, outcome=outcome, detail=detail,  # type: ignore[arg-type]
+                         node=node)
+
+    async def _bind(self, key: Key, write: KubeWrite) -> str:
+        """``pods/binding`` to ``write.node``, as a scheduler binds (the Binding's uid is the
+        incarnation's: a precondition). A 409 is read back consistently: another uid → superseded,
+        no pod → gone, the pod already on our node → ok (a retry of a binding whose answer was
+        lost), on another node → failed naming that node (the VM goes there or nowhere)."""
+        if key.kind != "pod" or not write.node:
+            raise _Outcome("failed", "only a pod is bound, and only to a named node")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": key.name, "namespace": key.namespace, "uid": write.fence.uid},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": write.node},
+        }
+        try:
+            await self._retrying(self.core.create_namespaced_pod_binding, key.name, key.namespace, body)
+            return write.node
+        except KubeError as exc:
+            if exc.status == 404:
+                raise _Outcome("gone", str(exc)) from exc
+            if exc.status not in (409, 422):
+                raise
+            fresh = self._current(await self._get(key), write.fence)
+            bound = (fresh.get("spec") or {}).get("nodeName")
+            if bound == write.node:
+                return write.node
+            if isinstance(bound, str) and bound:
+                raise _Outcome("failed", f"already bound to {bound}", node=bound) from exc
+            raise _Outcome("failed", f"binding refused: {exc}") from exc
 
     async def _classify(self, key: Key, fence: Fence, exc: KubeError) -> None:
         """After a 409/422 on a UID-carrying write: re-read consistently and name the outcome.

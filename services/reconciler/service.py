@@ -84,6 +84,7 @@ class Reconciler:
         self.effects: EffectRunner | None = None
         self.snapshots: SnapshotStore | None = None
         self.drift_counts: dict[str, int] | None = None  # by kind, at the last drift check
+        self.bind_unscheduled = cfg.bind_unscheduled != "off"  # "auto" is settled once the gateway is up
         metrics.DRIFT.watch(self)
 
     def __hash__(self) -> int:  # held in the drift gauge's WeakSet by identity
@@ -95,6 +96,7 @@ class Reconciler:
             hosts=self.hosts.live(),
             restart_backoff_base_s=self.cfg.restart_backoff_base_s,
             writer=self.writer,
+            bind_unscheduled=self.bind_unscheduled,
         )
 
     def owns(self, p: int) -> bool:
@@ -126,6 +128,9 @@ class Reconciler:
             self.snapshots = SnapshotStore(os.path.join(cfg.data_dir, f"snapshot-{self.safe_id()}.sqlite"))
             await self.snapshots.open(stream_identity=str(identity))
             gateway = self._gateway or await _default_gateway(cfg, self._host_ip)
+            self.bind_unscheduled = await _bind_unscheduled(cfg, gateway)
+            log.info("pods without a nodeName: %s", "placed and bound by vmfence" if self.bind_unscheduled
+                     else "left to the scheduler")
             self.effects = EffectRunner(
                 bus.js, self.subjects, gateway, workers=cfg.effect_workers, owns=self.owns, feed=self._feed
             )
@@ -406,6 +411,18 @@ async def _default_gateway(cfg: ReconcilerConfig, host_ip: Callable[[str], str |
     if cfg.kube == "none":
         return NullGateway()
     return await K8sGateway.connect(kubeconfig=cfg.kubeconfig, host_ip=host_ip, instance=cfg.owner_id())
+
+
+async def _bind_unscheduled(cfg: ReconcilerConfig, gateway: KubeGateway) -> bool:
+    """--bind-unscheduled: on/off as given; auto binds only where no scheduler runs — the
+    development API server (its gitVersion says so) or no Kubernetes at all (benchmarks)."""
+    from services.reconciler.kube import DEV_SERVER_MARK, K8sGateway
+
+    if cfg.bind_unscheduled != "auto":
+        return cfg.bind_unscheduled == "on"
+    if not isinstance(gateway, K8sGateway):
+        return True
+    return DEV_SERVER_MARK in await gateway.git_version()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,6 +49,7 @@ KERNEL = (
     "tests/unit/test_properties.py",
 )
 APPEND = ("tests/bus/test_fenced_append.py",)
+SCHEDULING = ("tests/unit/test_scheduling.py", *KERNEL)
 KUBE = ("tests/kube/test_fence_regressions.py", "tests/kube/test_gateway.py")
 LEDGER = ("tests/agent/test_ledger.py", "tests/agent/test_fence_regressions.py")
 AGENT = (
@@ -257,6 +258,31 @@ MUTANTS: tuple[Mutant, ...] = (
         KUBE,
     ),
     # ------------------------------------------------------- the kernel's rules (shared/fence/decide.py)
+    Mutant(
+        "decide-node-name-ignored", DECIDE,
+        "    if spec.node is not None:\n        if not spec.node.startswith(NODE_PREFIX):\n",
+        "    if False:\n        if not spec.node.startswith(NODE_PREFIX):\n",
+        "scheduling: a pod's spec.nodeName is law — its VM runs on that host or nowhere (never the emptiest "
+        "host instead, never a dead or full node's detour)",
+        SCHEDULING,
+    ),
+    Mutant(
+        "decide-create-before-binding", DECIDE,
+        "    if _is_pod(s.key) and cur.spec.node is None:\n        _bind(run, cur)",
+        "    if False:\n        _bind(run, cur)",
+        "scheduling / rule 11: an unscheduled pod is bound (pods/binding, a write in the outbox) before its VM "
+        "is commanded, so its nodeName is always true",
+        SCHEDULING,
+    ),
+    Mutant(
+        "decide-lost-binding-places-anyway", DECIDE,
+        "    if write.verb == \"bind\" and node is not None:\n        _bound_to(run, cur, node)\n",
+        "    if write.verb == \"bind\" and node is not None:\n"
+        "        _bound_to(run, cur, node.replace(\"-b\", \"-a\"))\n",
+        "scheduling: a binding refused because the pod is bound already leads to that node, never to the host "
+        "the refused binding picked",
+        SCHEDULING,
+    ),
     Mutant(
         "decide-write-done-of-any-fence", DECIDE,
         "    if cur is None or cur.fence != w.fence:\n        return\n",

@@ -11,6 +11,7 @@ Invariants (DESIGN.md, "Audit and decision streams"):
   * every applied result (bound, released, hibernated) matches its command's fence and VM;
   * at most one VM per key is live (not being removed) at every position, and a VM name is bound to
     one incarnation at a time;
+  * a pod's VM is placed only on the host its ``spec.nodeName`` names (once the log records one);
   * at the end every VM is released, hibernated, or bound to the live incarnation.
 """
 
@@ -41,11 +42,13 @@ from shared.fence.schema import (
 )
 from shared.fence.state import KeyState, fold
 
+NODE_PREFIX = "vmfence-"  # a host's Node name is vmfence-<host> (shared.fence.podspec.NODE_PREFIX)
+
 # the invariant a violation breaks (docs/architecture.md, "The audit", names each)
 ViolationRule = Literal[
     "gap", "repeat", "wrong_key", "tombstone_returned", "epoch_not_increasing", "command_fence_not_current",
     "result_fence_mismatch", "bound_not_current", "vm_bound_twice", "two_vms_for_key", "unsettled_vm",
-    "undecodable_entry",
+    "undecodable_entry", "placed_off_node",
 ]
 
 
@@ -88,6 +91,8 @@ INVARIANTS: tuple[tuple[str, str, tuple[ViolationRule, ...], tuple[str, ...]], .
     ("one_live_vm_per_key", "a key never has two live VMs at once",
      ("two_vms_for_key",), ("placed", "commanded", "bound", "adopted", "released", "hibernated", "restarting",
                             "rebuilt", "discovered")),
+    ("placed_on_its_node", "a pod's VM is placed only on the host its nodeName names",
+     ("placed_off_node",), ("placed",)),
     ("settled_at_the_end", "at the end every VM is released, hibernated, or bound to the live incarnation",
      ("unsettled_vm",), ("vm",)),
 )
@@ -208,6 +213,9 @@ class Auditor:
         cur = s.cur
         if cur is None or cur.fence != f:
             self._bad(s.key, n, seq, "command_fence_not_current", f"placed {vm_id} for {f}")
+        elif cur.spec.node is not None and cur.spec.node != f"{NODE_PREFIX}{d.host}":
+            self._bad(s.key, n, seq, "placed_off_node",
+                      f"placed {vm_id} on {d.host}; the pod is bound to {cur.spec.node}")
         if s.vms:
             others = [v for v in s.vms.values() if v.vm_id != vm_id]
             if others:

@@ -36,10 +36,19 @@ Reading guide (the rows of the table; the first column is ``_INPUTS``, one rule 
                                                            ok: delete done -> Forgotten; superseded
                                                            (Conflict/Invalid): ConfirmRequested
                                                            (rule 6); gone (NotFound): delete path;
-                                                           failed: rewrite timer
+                                                           failed: rewrite timer (a bind
+                                                           refused as already bound: to the
+                                                           node it names, never elsewhere)
     TimerFired       timer not armed                       (dropped: redelivery)
                      else                                  Done + the purpose's cell below: a
                                                            re-check, never a destruction (rule 12)
+
+Placement (``_place``), for every bring-up: a pod's ``spec.nodeName`` (``Spec.node``) is law — its
+VM is placed on that host or nowhere (a dead, unknown or full host: Skipped(no_host) with why, a
+FailedPlacement Warning Event the first time that why appears, Unschedulable status, a place timer);
+a pod without one is bound first when ``bind_unscheduled`` (a ``bind`` write in the outbox; its ok
+records the node and only then the create is commanded) or waits for the scheduler's binding; a
+VirtualMachine's host selector names the only host it may use.
 
 Before any row: an input carrying a fence outside the epoch bound (below 0, above ``MAX_EPOCH``, or
 more than ``MAX_EPOCH_LEAP`` above the log's epoch) is Skipped(epoch_out_of_bounds) and nothing else,
@@ -76,6 +85,7 @@ current incarnation: another fence's is Skipped; a rewrite by the write's verb, 
       rewrite status  current    rewrite_status
       rewrite delete  current    rewrite_delete
       rewrite evict   current    rewrite_evict
+      rewrite bind    current    rewrite_bind
       rewrite event   current    -
 
 A cell that cannot happen and fires after all is logged as Skipped(cannot_happen) naming the cell,
@@ -196,6 +206,10 @@ class DecideEnv(msgspec.Struct, frozen=True):
     restart_backoff_base_s: float = 10.0
     restart_backoff_max_s: float = 300.0
     writer: str = ""
+    # a pod without ``spec.nodeName``: True — vmfence places it and binds it (pods/binding) before
+    # its VM is made, as a scheduler does (no scheduler runs: the development server); False — it
+    # waits for the scheduler's binding (a real control plane). The reconciler's --bind-unscheduled.
+    bind_unscheduled: bool = True
 
 
 class _Run:
@@ -327,11 +341,21 @@ def _spec_change(run: _Run, cur: Incarnation, spec: Spec, rv: int, invalid: str 
         _event(run, cur.fence, "InvalidSpec", invalid, warning=True)
         return
     old = cur.spec
+    if old.node is not None and spec.node != old.node:
+        # nodeName is immutable once set (the API server refuses a change); a pod bound through our
+        # own binding keeps the node the binding gave it, whatever a stale object says
+        spec = msgspec.structs.replace(spec, node=old.node)
+        if spec == old:
+            return
     run.add(SpecChanged(cur.fence, spec, rv))
+    if spec.unsupported is not None and spec.unsupported != old.unsupported:
+        _event(run, cur.fence, "Unsupported", spec.unsupported, warning=True)
     if spec.hibernate and not old.hibernate:
         _hibernate(run, cur)
     elif old.hibernate and not spec.hibernate:
         _wake(run, cur)
+    elif old.node is None and spec.node is not None:
+        _bring_up(run)  # the scheduler bound it: its VM comes up on that node
 
 
 # ---------------------------------------------------------------------- confirmation (rule 3)
@@ -408,6 +432,8 @@ def _admit(run: _Run, r: ConfirmedRead) -> None:
         if r.deleting:
             _delete_path(run, cur, gone=False)
         return
+    if r.spec.unsupported is not None:
+        _event(run, fence, "Unsupported", r.spec.unsupported, warning=True)
     if r.deleting:
         _delete_path(run, cur, gone=False)
         return
@@ -437,14 +463,54 @@ def _bring_up(run: _Run) -> None:
     if cur.hibernated:
         _wake(run, cur)  # restores from the snapshot in the log; never a blank VM (rule 10)
         return
-    host = _place(run.env, cur.spec)
+    if _is_pod(s.key) and cur.spec.node is None:
+        _bind(run, cur)  # an unscheduled pod: bound first (or left to the scheduler), its VM after
+        return
+    host, why = _place(run.env, cur.spec)
     if host is None:
-        run.add(Skipped("no_host", cur.fence.uid, "no live host fits; retrying"))
-        _arm(run, cur.fence, PlaceTimer(), PLACE_RETRY_S)
+        # a node that is not a vmfence host never becomes one: said once, never re-checked
+        _unplaced(run, cur, why, retry=cur.spec.node is None or cur.spec.node.startswith(NODE_PREFIX))
         return
     vm_id = _vm_name(s.key, cur.fence.uid, cur.gen + 1)
     run.add(Placed(cur.fence, vm_id, host))
     _command(run, "create", cur.fence, host, vm_id, cur.spec)
+
+
+def _is_pod(key: str) -> bool:
+    return not key.startswith("vm:")
+
+
+def _bind(run: _Run, cur: Incarnation) -> None:
+    """A pod without ``spec.nodeName``. With a scheduler (``bind_unscheduled`` off) nothing: the
+    scheduler's binding arrives as an observation and brings the VM up. Without one, vmfence picks
+    the host and binds the pod to it through ``pods/binding`` — a write in the outbox, before any
+    command (rule 11): the VM is made only once the binding took (``_written``), so the pod's
+    ``nodeName`` is always true, and a binding someone else won leads to their node, never to a VM
+    elsewhere (``_write_failed``)."""
+    if not run.env.bind_unscheduled or _binding(run.s, cur.fence):
+        return
+    host, why = _place(run.env, cur.spec)
+    if host is None:
+        _unplaced(run, cur, why)
+        return
+    run.add(WriteRequested(KubeWrite(run.effect_id("bind"), "bind", cur.fence, node=node_of(host))))
+
+
+def _binding(s: KeyState, fence: Fence) -> bool:
+    return any(
+        isinstance(e, WriteRequested) and e.write.verb == "bind" and e.write.fence == fence
+        for e in s.outbox.values()
+    )
+
+
+def _unplaced(run: _Run, cur: Incarnation, why: str, *, retry: bool = True) -> None:
+    """No host takes the VM now: logged with why (the pod's status says it), a Warning Event the
+    first time that reason appears, and a place timer re-checks (rule 12: never a VM elsewhere)."""
+    if cur.unplaced != why:
+        _event(run, cur.fence, "FailedPlacement", why, warning=True)
+    run.add(Skipped("no_host", cur.fence.uid, why))
+    if retry:
+        _arm(run, cur.fence, PlaceTimer(), PLACE_RETRY_S)
 
 
 def _verify_first(run: _Run) -> bool:
@@ -467,17 +533,35 @@ def _verifying(s: KeyState) -> bool:
     )
 
 
-def _place(env: DecideEnv, spec: Spec) -> str | None:
-    fits = [
-        h
-        for h in env.hosts
-        if h.cpus_free >= spec.cpus
-        and h.memory_free_mib >= spec.memory_mib
-        and (spec.host_selector is None or h.name == spec.host_selector)
-    ]
+NODE_PREFIX = "vmfence-"  # a vmfence host's Node is ``vmfence-<host>`` (shared.fence.podspec.NODE_PREFIX)
+
+
+def node_of(host: str) -> str:
+    return f"{NODE_PREFIX}{host}"
+
+
+def _place(env: DecideEnv, spec: Spec) -> tuple[str | None, str]:
+    """The host for the VM, or None and why not. A pod's ``nodeName`` is law: its VM runs on that
+    host or nowhere (a full, dead or unknown host is a reason, never a detour); a VirtualMachine's
+    host selector names the only host it may use; anything else takes the emptiest live host."""
+    size = f"{spec.cpus} CPU{'s' if spec.cpus != 1 else ''}, {spec.memory_mib} MiB"
+    if spec.node is not None:
+        if not spec.node.startswith(NODE_PREFIX):
+            return None, f"the pod is bound to node {spec.node}, which is not a vmfence host"
+        only: str | None = spec.node[len(NODE_PREFIX):]
+        what = f"node {spec.node}"
+    else:
+        only = spec.host_selector
+        what = f"host {only}"
+    hosts = [h for h in env.hosts if only is None or h.name == only]
+    if only is not None and not hosts:
+        return None, f"{what} is not a live vmfence host (dead, unknown or not yet heartbeating)"
+    fits = [h for h in hosts if h.cpus_free >= spec.cpus and h.memory_free_mib >= spec.memory_mib]
     if not fits:
-        return None
-    return min(fits, key=lambda h: (h.vms, -h.memory_free_mib, h.name)).name
+        if only is not None:
+            return None, f"{what} has no room for this VM ({size})"
+        return None, f"no live vmfence host has room for this VM ({size})"
+    return min(fits, key=lambda h: (h.vms, -h.memory_free_mib, h.name)).name, ""
 
 
 # ---------------------------------------------------------------------------------- results
@@ -1053,13 +1137,28 @@ def _on_write_done(run: _Run, w: WriteDone) -> None:
     cur = s.cur
     if cur is None or cur.fence != w.fence:
         return
+    if w.outcome == "failed" and pending.write.verb == "bind":
+        _write_failed(run, cur, pending.write, w.node)
+        return
     _WRITES[w.outcome](run, cur, pending.write)
 
 
 def _written(run: _Run, cur: Incarnation, write: KubeWrite) -> None:
-    """The write took; the final delete of the object ends the incarnation."""
+    """The write took; the final delete of the object ends the incarnation; a binding makes the
+    pod's node true, and only then is its VM made, on that node."""
     if write.verb == "delete":
         _forget(run, cur)
+    elif write.verb == "bind" and write.node is not None:
+        _bound_to(run, cur, write.node)
+        _event(run, cur.fence, "Scheduled", f"Successfully assigned {cur.fence.key} to {write.node}")
+
+
+def _bound_to(run: _Run, cur: Incarnation, node: str) -> None:
+    """The pod's nodeName is ``node`` (our binding took, or another binder's did): recorded, and
+    the VM brought up there — on no other host."""
+    if cur.spec.node is None:
+        run.add(SpecChanged(cur.fence, msgspec.structs.replace(cur.spec, node=node), cur.rv))
+    _bring_up(run)
 
 
 def _write_superseded(run: _Run, cur: Incarnation, write: KubeWrite) -> None:
@@ -1073,8 +1172,13 @@ def _write_gone(run: _Run, cur: Incarnation, write: KubeWrite) -> None:
     _delete_path(run, cur, gone=True)
 
 
-def _write_failed(run: _Run, cur: Incarnation, write: KubeWrite) -> None:
-    """Any other failure: the same write again later (a timer: re-check, never destroy)."""
+def _write_failed(run: _Run, cur: Incarnation, write: KubeWrite, node: str | None = None) -> None:
+    """Any other failure: the same write again later (a timer: re-check, never destroy). A binding
+    refused because the pod is bound already (409: a scheduler, or another reconciler, was first)
+    names that node: the VM goes there or nowhere, never to the host this binding picked."""
+    if write.verb == "bind" and node is not None:
+        _bound_to(run, cur, node)
+        return
     _arm(run, cur.fence, RewriteTimer(write.verb), EFFECT_RETRY_S)
 
 
@@ -1157,6 +1261,12 @@ def _rewrite_delete(run: _Run, cur: Incarnation) -> None:
     _finish_delete(run, cur)
 
 
+def _rewrite_bind(run: _Run, cur: Incarnation) -> None:
+    """A binding that failed for no named reason: place and bind again, unless the pod got its node
+    meanwhile (a scheduler's binding observed) or needs none any more."""
+    _bring_up(run)
+
+
 def _rewrite_evict(run: _Run, cur: Incarnation) -> None:
     """Only while the eviction is still wanted: no delete claim came meanwhile (rule 7)."""
     if cur.evicting and not cur.delete_claim:
@@ -1184,7 +1294,7 @@ def _wake(run: _Run, cur: Incarnation) -> None:
         return
     if _verify_first(run):
         return
-    host = cur.snapshot_host or _place(run.env, cur.spec)
+    host = cur.snapshot_host or _place(run.env, cur.spec)[0]
     if host is None:
         _arm(run, cur.fence, PlaceTimer(), PLACE_RETRY_S)
         return
@@ -1297,7 +1407,7 @@ def _sync_status(run: _Run) -> None:
         # bring-up's real cause while it backs off, else no live host fits
         reason: StatusReason = "FailedCreate" if cur.failures else "Unschedulable"
         message = (cur.failure or "the last bring-up failed") if cur.failures else \
-            "no live vmfence host has room for this VM"
+            (cur.unplaced or "no live vmfence host has room for this VM")
         want = msgspec.structs.replace(status_of(cur), reason=reason, message=message)
     else:
         want = status_of(cur)
@@ -1391,5 +1501,6 @@ _REWRITES: dict[WriteVerb, Callable[[_Run, Incarnation], None] | CannotHappen] =
     "status": _rewrite_status,
     "delete": _rewrite_delete,
     "evict": _rewrite_evict,
+    "bind": _rewrite_bind,
     "event": CannotHappen("events are fire-and-forget: never in the outbox, so never answered"),
 }

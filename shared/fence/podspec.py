@@ -15,15 +15,41 @@ Everything else is ignored (``pod_observation`` returns ``None``).
 
 Memory accepts ``<n>`` (MiB), ``<n>Ki`` (a whole number of MiB), ``<n>Mi``, ``<n>Gi`` or ``<n>Ti``,
 between 16 MiB and 1 TiB. A bare number means MiB for annotations *and* for VirtualMachine objects.
+
+Pod sizing (in this order; the first that says something wins):
+
+1. the annotations ``vmfence.io/cpus`` / ``vmfence.io/memory`` (each on its own);
+2. the containers' ``resources`` as Kubernetes quantities (``500m``, ``2``, ``256Mi``, ``1G``, ``1.5Gi``,
+   ``1e3``): per container its **limit** if set, else its request (a VM cannot burst past its
+   configured size, so the most the workload may use is what it gets; Kubernetes' scheduler fits
+   the requests, which are at most the limits). The pod's size is the sum over ``containers``, or
+   the largest ``initContainers`` entry if that is larger (init containers run one at a time, as
+   Kubernetes counts them). A pod-level ``spec.resources`` (limits, else requests) wins over the
+   containers'. CPUs are rounded up to whole vCPUs (``500m`` → 1), memory up to whole MiB;
+3. Spec's defaults (1 CPU, 128 MiB).
+
+A quantity is parsed hostile-safe: at most 18 integer and 9 fraction digits and a two-digit
+exponent, so no value makes ``int()`` or a Fraction huge; a size outside 1..64 CPUs or
+16 MiB..1 TiB is an invalid spec, never a clamp.
+
+Scheduling: ``spec.nodeName`` is recorded as ``Spec.node`` (``decide`` places the VM on that host
+or nowhere). A pod bound to a node that is not ``vmfence-*`` belongs to that node's kubelet and is
+not vmfence's, whatever its labels say.
+
+Probes: ``readinessProbe`` / ``livenessProbe`` of the first container that has one (the pod is one
+VM), ``tcpSocket`` or ``httpGet`` with a numeric port or a named port of that container, and the
+timing fields with Kubernetes' defaults. ``exec`` and ``grpc`` probes are not carried out:
+``Spec.unsupported`` says so, and the reconciler turns it into a Warning Event.
 """
 
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 from typing import Any, Final, cast
 
 from shared.fence.keys import Key
-from shared.fence.schema import Observed, RecreatePolicy, RestartPolicy, Spec
+from shared.fence.schema import Observed, Probe, RecreatePolicy, RestartPolicy, Spec
 
 PREFIX: Final = "vmfence.io/"
 ANN_IMAGE: Final = "vmfence.io/image"
@@ -170,6 +196,190 @@ def parse_recreate_policy(field: str, value: object) -> RecreatePolicy:
     raise SpecError(f"{field}: {_q(value)} is not one of {', '.join(RECREATE_POLICIES)}")
 
 
+# ---------------------------------------------------------------------- Kubernetes quantities
+
+# <digits>[.<digits>][suffix | e<exp>]: at most 18 integer digits, 9 fraction digits, a two-digit
+# exponent (as the digit caps above: nothing a hostile pod writes makes a number big to compute)
+_SUFFIXES = "Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E"
+_QUANTITY = re.compile(rf"^\+?([0-9]{{1,18}})(?:\.([0-9]{{0,9}}))?(?:({_SUFFIXES})|[eE]([+-]?[0-9]{{1,2}}))?$")
+_QUANTITY_FRACTIONAL = re.compile(rf"^\+?\.([0-9]{{1,9}})({_SUFFIXES})?$")
+_SUFFIX: Final[dict[str, Fraction]] = {
+    "": Fraction(1),
+    "Ki": Fraction(2**10), "Mi": Fraction(2**20), "Gi": Fraction(2**30),
+    "Ti": Fraction(2**40), "Pi": Fraction(2**50), "Ei": Fraction(2**60),
+    "n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 10**3),
+    "k": Fraction(10**3), "M": Fraction(10**6), "G": Fraction(10**9),
+    "T": Fraction(10**12), "P": Fraction(10**15), "E": Fraction(10**18),
+}
+QUANTITY_ACCEPTED: Final = "a Kubernetes quantity such as 500m, 2, 256Mi, 1G or 1.5Gi"
+
+
+def parse_quantity(field: str, value: object) -> Fraction:
+    """A non-negative Kubernetes quantity (``resource.Quantity``'s forms) as an exact fraction."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 10**18:
+        return Fraction(value)
+    text = value.strip() if isinstance(value, str) else None
+    if text is not None and (m := _QUANTITY.fullmatch(text)):
+        whole, frac, suffix, exp = m.group(1), m.group(2) or "", m.group(3) or "", m.group(4)
+    elif text is not None and (m := _QUANTITY_FRACTIONAL.fullmatch(text)):
+        whole, frac, suffix, exp = "0", m.group(1), m.group(2) or "", None
+    else:
+        raise SpecError(f"{field}: {_q(value)} is not {QUANTITY_ACCEPTED}")
+    n = Fraction(int(whole)) + (Fraction(int(frac), 10 ** len(frac)) if frac else 0)
+    return n * (Fraction(10) ** int(exp) if exp is not None else _SUFFIX[suffix])
+
+
+def _ceil(q: Fraction) -> int:
+    return -(-q.numerator // q.denominator)
+
+
+_CPU_UNIT, _MIB = Fraction(1), Fraction(2**20)
+
+
+def _container_size(where: str, res: JSON, resource: str, errors: list[str]) -> Fraction | None:
+    """One container's (or the pod's) size of ``resource``: its limit if set, else its request."""
+    for part in ("limits", "requests"):
+        values = _dict(res.get(part))
+        if resource in values:
+            try:
+                return parse_quantity(f"{where}.resources.{part}.{resource}", values[resource])
+            except SpecError as exc:
+                errors.append(str(exc))
+                return None
+    return None
+
+
+def _pod_size(spec: JSON, resource: str, errors: list[str]) -> Fraction | None:
+    """The pod's size of ``resource`` from its containers' resources (see the module docstring),
+    or None when no container names it."""
+    pod_level = _container_size("spec", _dict(spec.get("resources")), resource, errors)
+    if pod_level is not None:
+        return pod_level
+    def sizes(kind: str) -> list[Fraction]:
+        out: list[Fraction] = []
+        items = spec.get(kind)
+        for i, c in enumerate(items if isinstance(items, list) else []):
+            c = _dict(c)
+            name = c.get("name") if isinstance(c.get("name"), str) else str(i)
+            got = _container_size(f"spec.{kind}[{str(name)[:QUOTE_MAX_CHARS]}]", _dict(c.get("resources")),
+                                  resource, errors)
+            if got is not None:
+                out.append(got)
+        return out
+    main, init = sizes("containers"), sizes("initContainers")
+    if not main and not init:
+        return None
+    return max(sum(main, Fraction(0)), max(init, default=Fraction(0)))
+
+
+def _cpus_of(spec: JSON, errors: list[str]) -> int | None:
+    q = _pod_size(spec, "cpu", errors)
+    if q is None:
+        return None
+    cpus = max(1, _ceil(q / _CPU_UNIT))
+    if cpus > CPUS_MAX:
+        errors.append(f"resources: the containers ask for {_q(float(q))} CPUs; a VM has between {CPUS_MIN} "
+                      f"and {CPUS_MAX}")
+        return None
+    return cpus
+
+
+def _memory_of(spec: JSON, errors: list[str]) -> int | None:
+    q = _pod_size(spec, "memory", errors)
+    if q is None:
+        return None
+    mib = _ceil(q / _MIB)
+    if not MEMORY_MIN_MIB <= mib <= MEMORY_MAX_MIB:
+        errors.append(f"resources: the containers ask for {mib} MiB of memory; a VM has between "
+                      f"{MEMORY_MIN_MIB}Mi and {MEMORY_MAX_MIB // 1024**2}Ti")
+        return None
+    return mib
+
+
+# ----------------------------------------------------------------------------------- probes
+
+PROBE_SECONDS_MAX: Final = 86400
+_PORT_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$")  # an IANA_SVC_NAME, as Kubernetes'
+_PATH_MAX: Final = 2048
+
+
+def _probe_port(field: str, value: object, container: JSON) -> int:
+    if isinstance(value, str) and not _INT.fullmatch(value.strip()):
+        name = value.strip()
+        if _PORT_NAME.fullmatch(name):
+            ports = container.get("ports")
+            for p in ports if isinstance(ports, list) else []:
+                p = _dict(p)
+                if p.get("name") == name:
+                    return parse_int(f"{field} ({name})", p.get("containerPort"), PORT_MIN, PORT_MAX)
+        raise SpecError(f"{field}: {_q(value)} names no port of the container (and is not a number "
+                        f"between {PORT_MIN} and {PORT_MAX})")
+    return parse_int(field, value, PORT_MIN, PORT_MAX)
+
+
+def _probe_of(field: str, raw: JSON, container: JSON, *, liveness: bool) -> Probe:
+    """One probe; SpecError for a bad field, ``_Unsupported`` for exec/grpc."""
+    timing: dict[str, int] = {}
+    for name, attr, lo, default in (
+        ("initialDelaySeconds", "initial_delay_s", 0, 0),
+        ("periodSeconds", "period_s", 1, 10),
+        ("timeoutSeconds", "timeout_s", 1, 1),
+        ("successThreshold", "success_threshold", 1, 1),
+        ("failureThreshold", "failure_threshold", 1, 3),
+    ):
+        v = raw.get(name)
+        timing[attr] = default if v is None else parse_int(f"{field}.{name}", v, lo, PROBE_SECONDS_MAX)
+    if liveness and timing["success_threshold"] != 1:
+        raise SpecError(f"{field}.successThreshold: must be 1 for a liveness probe (as Kubernetes requires)")
+    tcp, http = raw.get("tcpSocket"), raw.get("httpGet")
+    if isinstance(tcp, dict):
+        return Probe("tcp", _probe_port(f"{field}.tcpSocket.port", tcp.get("port"), container), **timing)  # type: ignore[arg-type]
+    if isinstance(http, dict):
+        port = _probe_port(f"{field}.httpGet.port", http.get("port"), container)
+        path = http.get("path") if http.get("path") is not None else "/"
+        if not isinstance(path, str) or not path.startswith("/") or len(path) > _PATH_MAX \
+                or any(ch.isspace() or not ch.isprintable() for ch in path):
+            raise SpecError(f"{field}.httpGet.path: {_q(path)} is not an absolute URL path without spaces")
+        scheme = http.get("scheme") if http.get("scheme") is not None else "HTTP"
+        if scheme not in ("HTTP", "HTTPS"):
+            raise SpecError(f"{field}.httpGet.scheme: {_q(scheme)} is not one of HTTP, HTTPS")
+        return Probe("http", port, path=path, scheme=scheme, **timing)  # type: ignore[arg-type]
+    kinds = [k for k in ("exec", "grpc") if raw.get(k) is not None]
+    if kinds:
+        raise _Unsupported(f"{field}: {kinds[0]} probes are not supported by vmfence (the pod is a VM: use "
+                           f"tcpSocket or httpGet against the guest); the probe is ignored")
+    raise SpecError(f"{field}: names none of tcpSocket, httpGet")
+
+
+class _Unsupported(Exception):
+    """A probe vmfence reads but does not carry out (not an invalid spec: a Warning)."""
+
+
+def _probes(spec: JSON, c: _Collector) -> list[str]:
+    """readinessProbe/livenessProbe of the first container that has each; the unsupported notes."""
+    notes: list[str] = []
+    items = spec.get("containers")
+    containers = [_dict(x) for x in (items if isinstance(items, list) else [])]
+    for kind, attr in (("readinessProbe", "readiness"), ("livenessProbe", "liveness")):
+        for i, container in enumerate(containers):
+            raw = container.get(kind)
+            if raw is None:
+                continue
+            name = container.get("name") if isinstance(container.get("name"), str) else str(i)
+            field = f"spec.containers[{str(name)[:QUOTE_MAX_CHARS]}].{kind}"
+            if not isinstance(raw, dict):
+                c.errors.append(f"{field}: {_q(raw)} is not a probe")
+                break
+            try:
+                c.fields[attr] = _probe_of(field, raw, container, liveness=attr == "liveness")
+            except SpecError as exc:
+                c.errors.append(str(exc))
+            except _Unsupported as exc:
+                notes.append(str(exc))
+            break
+    return notes
+
+
 # ----------------------------------------------------------------------------------------- specs
 
 
@@ -214,6 +424,16 @@ def spec_of_pod(pod: JSON) -> tuple[Spec, str | None]:
         c.take("probe_port", parse_int, ANN_PROBE_PORT, ann[ANN_PROBE_PORT], PORT_MIN, PORT_MAX)
     if spec.get("restartPolicy") is not None:
         c.take("restart_policy", parse_restart_policy, "spec.restartPolicy", spec["restartPolicy"])
+    if ANN_CPUS not in ann and (cpus := _cpus_of(spec, c.errors)) is not None:
+        c.fields["cpus"] = cpus
+    if ANN_MEMORY not in ann and (mib := _memory_of(spec, c.errors)) is not None:
+        c.fields["memory_mib"] = mib
+    notes = _probes(spec, c)
+    if notes:
+        c.fields["unsupported"] = "; ".join(notes)
+    node = spec.get("nodeName")
+    if isinstance(node, str) and node:
+        c.fields["node"] = node[:253]  # a DNS subdomain at most: a longer one is not a node of ours anyway
     return c.result()
 
 
@@ -260,10 +480,13 @@ def key_of_vm(obj: JSON) -> Key:
 
 
 def is_ours(pod: JSON) -> bool:
-    """nodeName ``vmfence-*`` or label ``vmfence.io/managed=true``."""
+    """nodeName ``vmfence-*``, or label ``vmfence.io/managed=true`` on a pod not bound to another
+    node (a pod bound to a node that is not ``vmfence-*`` is that node's kubelet's)."""
     node = _dict(pod.get("spec")).get("nodeName")
     if isinstance(node, str) and node.startswith(NODE_PREFIX):
         return True
+    if isinstance(node, str) and node:
+        return False
     labels = _dict(_meta(pod).get("labels"))
     return str(labels.get(LABEL_MANAGED, "")).lower() == "true"
 

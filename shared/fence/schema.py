@@ -55,8 +55,27 @@ class Fence(msgspec.Struct, frozen=True, array_like=True):
         return self.epoch < other.epoch
 
 
+ProbeKind = Literal["tcp", "http"]
+
+
+class Probe(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A readiness or liveness probe from the pod's own ``readinessProbe``/``livenessProbe``
+    (``tcpSocket`` or ``httpGet``), with Kubernetes' timing fields and defaults, in seconds."""
+
+    kind: ProbeKind
+    port: int
+    path: str = "/"  # httpGet only
+    scheme: Literal["HTTP", "HTTPS"] = "HTTP"  # httpGet only
+    initial_delay_s: int = 0
+    period_s: int = 10
+    timeout_s: int = 1
+    success_threshold: int = 1
+    failure_threshold: int = 3
+
+
 class Spec(msgspec.Struct, frozen=True, omit_defaults=True):
-    """What the user asked for, already validated (see shared.fence.podspec)."""
+    """What the user asked for, already validated (see shared.fence.podspec). Fields added after
+    version 1 all have defaults, so every entry ever logged still decodes (omitted = default)."""
 
     cpus: int = 1
     memory_mib: int = 128
@@ -66,6 +85,13 @@ class Spec(msgspec.Struct, frozen=True, omit_defaults=True):
     on_recreate: RecreatePolicy = "replace"
     probe_port: int | None = None
     host_selector: str | None = None
+    # a pod's ``spec.nodeName`` (``vmfence-<host>``) once bound, by a scheduler or by vmfence's own
+    # binding: the law of its placement — its VM runs on that host or nowhere (decide._place)
+    node: str | None = None
+    readiness: Probe | None = None
+    liveness: Probe | None = None
+    # parts of the pod vmfence reads but does not carry out (an exec probe): a Warning Event says so
+    unsupported: str | None = None
 
 
 # --------------------------------------------------------------------------------------- inputs
@@ -176,6 +202,9 @@ class WriteDone(msgspec.Struct, tag="write_done", frozen=True, omit_defaults=Tru
     write_id: str
     outcome: WriteOutcome
     detail: str | None = None
+    # a binding's answer: the node the pod is bound to now (the write's own on ok; another
+    # binder's when the pod was bound first — the pod's nodeName is law, never a VM elsewhere)
+    node: str | None = None
     v: int = SCHEMA_VERSION
 
 
@@ -228,9 +257,13 @@ class Command(msgspec.Struct, frozen=True, omit_defaults=True):
 # why a pod is not simply Running/Pending (the container status reason vmfence writes)
 # (FailedCreate: the last bring-up failed and the next waits out its backoff; the message is the cause)
 StatusReason = Literal["InvalidSpec", "Hibernated", "Unschedulable", "FailedCreate"]
+# (Unschedulable: no live host fits, or the host the pod is bound to is dead, unknown or full)
 # the reason of every Kubernetes Event decide writes
 EventReason = Literal[
-    "InvalidSpec", "Superseded", "Hibernated", "Started", "FailedCreate", "Adopted", "BackOff", "VMGone"
+    "InvalidSpec", "Superseded", "Hibernated", "Started", "FailedCreate", "Adopted", "BackOff", "VMGone",
+    "Scheduled",  # vmfence bound an unscheduled pod to a host (pods/binding), as a scheduler says it
+    "FailedPlacement",  # the pod's node (or a VirtualMachine's host selector) is dead, unknown or full
+    "Unsupported",  # a part of the pod vmfence does not carry out (an exec probe)
 ]
 
 
@@ -251,7 +284,7 @@ class PodStatusIntent(msgspec.Struct, frozen=True, omit_defaults=True):
     invalid: str | None = None
 
 
-WriteVerb = Literal["status", "evict", "delete", "event"]
+WriteVerb = Literal["status", "evict", "delete", "event", "bind"]  # bind: pods/binding to ``node``
 
 
 class KubeWrite(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -265,6 +298,7 @@ class KubeWrite(msgspec.Struct, frozen=True, omit_defaults=True):
     event_type: Literal["Normal", "Warning"] = "Normal"
     message: str | None = None
     count: int = 1  # an event: which repeat of the same text (one Event counts them, as Kubernetes does)
+    node: str | None = None  # a bind: the node (vmfence-<host>) the pod is bound to
 
 
 # ------------------------------------------------------------------------------------ decisions

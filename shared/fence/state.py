@@ -97,6 +97,7 @@ class Incarnation(msgspec.Struct, omit_defaults=True):
     failures: int = 0
     failure: str | None = None
     failure_repeats: int = 0  # of those, the last ones in a row that failed for ``failure``
+    unplaced: str | None = None  # why no host takes its VM now (the last Skipped(no_host)); None once placed
 
 
 class KeyState(msgspec.Struct, omit_defaults=True):
@@ -194,6 +195,9 @@ def fold(s: KeyState, d: Decision) -> KeyState:
             s.vms.pop(vm_id, None)
             if (c := _cur_for(s, f)) is not None and c.vm_id == vm_id:
                 c.bound, c.ready, c.vm_id = False, False, None
+        case Skipped(reason="no_host", uid=uid, detail=why):
+            if s.cur is not None and s.cur.fence.uid == uid:
+                s.cur.unplaced = why
         case Skipped():
             pass
         case ReadyChanged(fence=f, ready=ready):
@@ -213,6 +217,7 @@ def fold(s: KeyState, d: Decision) -> KeyState:
             s.vms[vm_id] = VMRec(vm_id=vm_id, host=host, fence=f, state="creating")
             if (c := _cur_for(s, f)) is not None:
                 c.vm_id, c.host, c.bound, c.gen = vm_id, host, False, c.gen + 1
+                c.unplaced = None
         case Bound(fence=f, vm_id=vm_id, host=host, ip=ip, vnc_port=vnc):
             rec = s.vms.get(vm_id)
             if rec is None:

@@ -20,6 +20,8 @@ from shared.fence.podspec import (
 )
 from shared.fence.schema import Spec
 
+NODE = "vmfence-host-a"  # the node pod() binds to: recorded in the spec (decide places the VM there)
+
 
 def pod(annotations: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
     return {
@@ -35,7 +37,7 @@ def pod(annotations: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any
 
 
 def test_defaults_without_annotations() -> None:
-    assert spec_of_pod(pod()) == (Spec(), None)
+    assert spec_of_pod(pod()) == (Spec(node=NODE), None)
 
 
 def test_every_annotation_valid() -> None:
@@ -54,6 +56,7 @@ def test_every_annotation_valid() -> None:
     )
     assert invalid is None
     assert spec == Spec(
+        node=NODE,
         cpus=4,
         memory_mib=2048,
         image="debian-12",
@@ -98,7 +101,7 @@ def test_memory_forms(text: str, mib: int) -> None:
 def test_invalid_annotation_names_field(ann: str, value: str, words: str) -> None:
     spec, invalid = spec_of_pod(pod({ann: value}))
     assert invalid is not None and ann in invalid and words in invalid
-    assert spec == Spec()  # the rejected field keeps its default
+    assert spec == Spec(node=NODE)  # the rejected field keeps its default
 
 
 def test_invalid_restart_policy_and_multiple_errors() -> None:
@@ -116,7 +119,7 @@ def test_hibernate_case_insensitive() -> None:
 
 @given(st.integers(min_value=1, max_value=64))
 def test_cpus_in_range_accepted(n: int) -> None:
-    assert spec_of_pod(pod({"vmfence.io/cpus": str(n)})) == (Spec(cpus=n), None)
+    assert spec_of_pod(pod({"vmfence.io/cpus": str(n)})) == (Spec(cpus=n, node=NODE), None)
 
 
 @given(st.text(max_size=12))
@@ -139,10 +142,12 @@ def test_ownership() -> None:
     other["spec"]["nodeName"] = "worker-1"
     assert not is_ours(other) and pod_observation(other) is None
     other["metadata"]["labels"] = {"vmfence.io/managed": "true"}
-    assert is_ours(other)
+    assert not is_ours(other), "a pod bound to another node is that node's kubelet's, whatever its labels"
     unscheduled = pod()
     del unscheduled["spec"]["nodeName"]
     assert not is_ours(unscheduled)
+    unscheduled["metadata"]["labels"] = {"vmfence.io/managed": "true"}
+    assert is_ours(unscheduled), "an unscheduled managed pod is vmfence's to place (and bind)"
 
 
 def test_pod_observation_fields() -> None:
@@ -222,7 +227,7 @@ def test_a_number_of_any_length_is_a_spec_error_never_an_exception(ann: str, dig
     assert invalid is not None and invalid.startswith(f"{ann}: ")
     assert f"({digits} characters)" in invalid or digits <= 64
     assert len(invalid) < 400
-    assert spec == Spec()
+    assert spec == Spec(node=NODE)
 
 
 @pytest.mark.parametrize("field", ["cpus", "memory"])

@@ -25,6 +25,8 @@ from shared.fence.schema import Observed, Spec, encode
 from shared.subjects import Subjects
 from tests.reconciler.helpers import log_entries, observe, per_key, wait_until
 
+# bound to its node (spec.nodeName), as a scheduled pod is: its VM is made right after admission
+BOUND = Spec(node="vmfence-host-a")
 ENV = DecideEnv(hosts=[HostView("host-a", 64, 65536)])
 
 
@@ -48,7 +50,7 @@ async def test_two_writers_on_one_partition_never_fork_a_log(bus: Bus) -> None:
     gateway = NullGateway()
     keys = [Key("pod", "default", f"web.{i}") for i in range(12)]
     for i, k in enumerate(keys):
-        gateway.objects[str(k)] = (f"uid-{i}", 1, Spec())
+        gateway.objects[str(k)] = (f"uid-{i}", 1, BOUND)
     a, b = _partition(bus, "writer-a", gateway), _partition(bus, "writer-b", gateway)
     # both believe they own partition 0 (no lease at all) and decide the same inputs at once
     for round_ in range(3):
@@ -75,7 +77,7 @@ async def test_two_writers_on_one_partition_never_fork_a_log(bus: Bus) -> None:
 async def test_malformed_input_goes_to_the_dead_letter_stream_and_the_partition_goes_on(bus: Bus) -> None:
     gateway = NullGateway()
     key = Key("pod", "default", "ok")
-    gateway.objects[str(key)] = ("uid-ok", 1, Spec())
+    gateway.objects[str(key)] = ("uid-ok", 1, BOUND)
     part = _partition(bus, "writer", gateway)
     task = asyncio.create_task(part.run())
     try:
@@ -99,7 +101,7 @@ async def test_malformed_input_goes_to_the_dead_letter_stream_and_the_partition_
 async def test_a_partition_whose_lease_is_gone_appends_nothing(bus: Bus) -> None:
     gateway = NullGateway()
     key = Key("pod", "default", "lease.lost")
-    gateway.objects[str(key)] = ("uid-1", 1, Spec())
+    gateway.objects[str(key)] = ("uid-1", 1, BOUND)
     part = _partition(bus, "writer", gateway)
     part.held = False  # the lease renewal failed a moment ago
     assert await part.feed(str(key), Observed(str(key), "uid-1", 1)) is False
@@ -111,7 +113,7 @@ async def test_a_lost_log_tail_on_the_stream_is_rebuilt_and_surveyed(bus: Bus) -
 
     gateway = NullGateway()
     key = Key("pod", "default", "tail.lost")
-    gateway.objects[str(key)] = ("uid-1", 1, Spec())
+    gateway.objects[str(key)] = ("uid-1", 1, BOUND)
     part = _partition(bus, "writer", gateway)
     assert await part.feed(str(key), Observed(str(key), "uid-1", 1))  # admitted, create commanded
     assert await part.feed(str(key), Observed(str(key), "uid-1", 2, spec=Spec(cpus=2)))
@@ -148,7 +150,7 @@ async def test_a_snapshot_ahead_of_a_cut_log_never_wins_at_load(bus: Bus, tmp_pa
 
     gateway = NullGateway()
     key = Key("pod", "default", "snap.ahead")
-    gateway.objects[str(key)] = ("uid-1", 1, Spec())
+    gateway.objects[str(key)] = ("uid-1", 1, BOUND)
     store = await _store(tmp_path / "snap.sqlite")
     first = _snap_partition(bus, "writer", gateway, store)
     await first.load()
@@ -174,7 +176,7 @@ async def test_a_snapshot_row_whose_positions_the_log_refilled_is_reread_not_tru
 
     gateway = NullGateway()
     key = Key("pod", "default", "snap.diverged")
-    gateway.objects[str(key)] = ("uid-1", 1, Spec())
+    gateway.objects[str(key)] = ("uid-1", 1, BOUND)
     one, two = await _store(tmp_path / "one.sqlite"), await _store(tmp_path / "two.sqlite")
     w1 = _snap_partition(bus, "w1", gateway, one)
     await w1.load()
@@ -208,7 +210,7 @@ async def test_a_no_op_input_on_a_stale_copy_is_decided_on_the_log_not_dropped(b
 
     gateway = NullGateway()
     key = Key("pod", "default", "stale.copy")
-    gateway.objects[str(key)] = ("uid-1", 1, Spec())
+    gateway.objects[str(key)] = ("uid-1", 1, BOUND)
     old, new = _partition(bus, "old-owner", gateway), _partition(bus, "new-owner", gateway)
     assert await new.feed(str(key), Observed(str(key), "uid-1", 1))  # admitted, a create sent
     await old._reload(old._slot(str(key)))  # the old owner's copy stops here (then it is cut off)
@@ -238,7 +240,7 @@ async def test_an_entry_a_previous_owner_appends_after_the_load_is_taken_over_wi
 
     gateway = NullGateway()
     key = Key("pod", "default", "late.append")
-    gateway.objects[str(key)] = ("uid-1", 1, Spec())
+    gateway.objects[str(key)] = ("uid-1", 1, BOUND)
     sent: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def on_command(msg: Msg) -> None:

@@ -42,6 +42,8 @@ from shared.fence.schema import (
 from shared.subjects import Subjects
 from tests.reconciler.helpers import log_entries, observe, wait_until
 
+# bound to its node (spec.nodeName), as a scheduled pod is: its VM is made right after admission
+BOUND = Spec(node="vmfence-host-a")
 ENV = DecideEnv(hosts=[HostView("host-a", 64, 65536)])
 
 
@@ -68,8 +70,8 @@ async def _dead(bus: Bus) -> list[Msg]:
 async def test_an_input_of_an_unknown_schema_version_is_dead_lettered_and_the_partition_goes_on(bus: Bus) -> None:
     gateway = NullGateway()
     hostile, probe = Key("pod", "default", "from.the.future"), Key("pod", "default", "probe")
-    gateway.objects[str(hostile)] = ("uid-h", 1, Spec())
-    gateway.objects[str(probe)] = ("uid-p", 1, Spec())
+    gateway.objects[str(hostile)] = ("uid-h", 1, BOUND)
+    gateway.objects[str(probe)] = ("uid-p", 1, BOUND)
     part = _partition(bus, gateway)
     task = asyncio.create_task(part.run())
     try:
@@ -97,7 +99,7 @@ ENV2 = DecideEnv(hosts=[HostView("host-a", 64, 65536), HostView("host-b", 64, 65
 
 async def _bound_key(bus: Bus, gateway: NullGateway, key: Key) -> tuple[Partition, str, str]:
     """A partition on two hosts with ``key`` admitted and its VM bound (fed in-process)."""
-    gateway.objects[str(key)] = ("uid-1", 1, Spec())
+    gateway.objects[str(key)] = ("uid-1", 1, BOUND)
     effects = EffectRunner(bus.js, bus.subjects, gateway)
     part = Partition(0, js=bus.js, subjects=bus.subjects, writer="writer", effects=effects, snapshots=None,
                      env=lambda: ENV2, confirm=gateway.confirm)
@@ -114,7 +116,7 @@ async def _bound_key(bus: Bus, gateway: NullGateway, key: Key) -> tuple[Partitio
 async def test_a_report_on_another_hosts_subject_is_dead_lettered_and_a_hostile_epoch_is_skipped(bus: Bus) -> None:
     gateway = NullGateway()
     key, probe = Key("pod", "default", "victim"), Key("pod", "default", "probe")
-    gateway.objects[str(probe)] = ("uid-p", 1, Spec())
+    gateway.objects[str(probe)] = ("uid-p", 1, BOUND)
     part, vm, host = await _bound_key(bus, gateway, key)
     other = "host-b" if host == "host-a" else "host-a"
     fence = Fence(str(key), "uid-1", 1)
@@ -171,7 +173,7 @@ async def test_a_read_too_large_to_log_gets_a_warning_and_the_key_goes_on(bus: B
     gateway = NullGateway()
     huge, probe = Key("pod", "default", "huge"), Key("pod", "default", "probe")
     gateway.objects[str(huge)] = ("uid-h", 1, Spec(image="x" * 600_000))  # the object's read is huge
-    gateway.objects[str(probe)] = ("uid-p", 1, Spec())
+    gateway.objects[str(probe)] = ("uid-p", 1, BOUND)
     part = _partition(bus, gateway)
     task = asyncio.create_task(part.run())
     try:
@@ -199,7 +201,7 @@ async def test_a_read_too_large_to_log_gets_a_warning_and_the_key_goes_on(bus: B
 async def test_an_input_above_the_bound_is_dead_lettered_truncated_and_the_partition_goes_on(bus: Bus) -> None:
     gateway = NullGateway()
     big, probe = Key("pod", "default", "big"), Key("pod", "default", "probe")
-    gateway.objects[str(probe)] = ("uid-p", 1, Spec())
+    gateway.objects[str(probe)] = ("uid-p", 1, BOUND)
     part = _partition(bus, gateway)
     task = asyncio.create_task(part.run())
     try:
@@ -226,7 +228,7 @@ async def test_an_entry_above_the_bound_is_dead_lettered_never_redelivered(
     monkeypatch.setattr(partition_module, "MAX_ENTRY_BYTES", 4096)
     gateway = NullGateway()
     key, probe = Key("pod", "default", "many.vms"), Key("pod", "default", "probe")
-    gateway.objects[str(probe)] = ("uid-p", 1, Spec())
+    gateway.objects[str(probe)] = ("uid-p", 1, BOUND)
     part = _partition(bus, gateway)
     task = asyncio.create_task(part.run())
     try:
@@ -279,7 +281,7 @@ async def test_a_command_above_the_bound_is_never_sent_and_ends_as_a_failed_resu
 
 async def _bind(part: Partition, gateway: NullGateway, key: Key, uid: str) -> Command:
     """Admit ``key`` and bind its VM, fed in-process; returns its create."""
-    gateway.objects[str(key)] = (uid, 1, Spec())
+    gateway.objects[str(key)] = (uid, 1, BOUND)
     assert await part.feed(str(key), Observed(str(key), uid, 1))
     (create,) = [e.command for e in part.keys[str(key)].state.outbox.values()
                  if isinstance(e, Commanded) and e.command.op == "create"]

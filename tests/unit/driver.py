@@ -16,6 +16,7 @@ from shared.fence.schema import (
     Observed,
     Spec,
     TimerArmed,
+    WriteDone,
     WriteRequested,
 )
 from shared.fence.state import KeyState, fold_all
@@ -25,17 +26,30 @@ ENV = DecideEnv(hosts=[HostView("host-a", 8, 8192), HostView("host-b", 8, 8192)]
 
 
 class Driver:
-    def __init__(self, key: str = KEY, env: DecideEnv = ENV) -> None:
+    """``auto_bind``: a pod's binding (pods/binding, which comes before its VM) is answered ok as
+    soon as it is requested, and its decisions are returned with those of the input that asked for
+    it, so a scenario about something else reads as before binding existed. Tests of the binding
+    itself turn it off."""
+
+    def __init__(self, key: str = KEY, env: DecideEnv = ENV, *, auto_bind: bool = True) -> None:
         self.state = KeyState(key=key)
         self.env = env
         self.log: list[LogEntry] = []
         self.rv = 0
+        self.auto_bind = auto_bind
 
     @property
     def key(self) -> str:
         return self.state.key
 
     def feed(self, inp: Input) -> list[Decision]:
+        decisions = self._feed(inp)
+        while self.auto_bind and (binds := self.writes("bind")):
+            w = binds[0].write
+            decisions = decisions + self._feed(WriteDone(w.fence, w.id, "ok", node=w.node))
+        return decisions
+
+    def _feed(self, inp: Input) -> list[Decision]:
         decisions = decide(self.state, inp, self.env)
         if decisions:
             fold_all(self.state, decisions)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from shared.fence.schema import Command, Observed, Spec, TimerArmed, TimerFired
 from tests.unit.driver import KEY, Driver
 
-SPEC = Spec(cpus=3, memory_mib=512, image="debian-12", probe_port=8080)
+# bound (its nodeName), as every command of it says
+SPEC = Spec(cpus=3, memory_mib=512, image="debian-12", probe_port=8080, node="vmfence-host-a")
 
 
 def _fire_retry(d: Driver) -> None:

@@ -471,7 +471,7 @@ def test_a_vm_adopted_while_it_was_down_is_restarted_under_the_new_fence() -> No
 def test_a_delete_during_a_rebuild_keeps_the_object_until_the_surveyed_vm_is_removed() -> None:
     d = Driver()
     c1 = d.run_up("u1")
-    lose_tail(d, keep=2)  # observed, admitted (create commanded)
+    lose_tail(d, keep=3)  # observed, admitted (bind), bound to its node (create commanded)
     # the pod is being deleted; the rebuilt log knows no VM yet, the hosts have not answered
     out = d.feed(Observed(KEY, "u1", d.next_rv(), deleting=True))
     assert of(out, DeleteClaimed) and d.writes("delete") == [], "object deleted before the survey"
@@ -491,7 +491,7 @@ def test_on_recreate_adopt_after_a_lost_tail_adopts_the_predecessors_surveyed_vm
     for policy in ("adopt", "replace"):
         d = Driver()
         c1 = d.run_up("u1")
-        lose_tail(d, keep=2)  # observed, admitted (create commanded)
+        lose_tail(d, keep=3)  # observed, admitted (bind), bound to its node (create commanded)
         d.admit("u2", Spec(on_recreate=policy))  # recreated under the name while the log was cut
         assert d.commands("create") == []
         answer_surveys(d, {c1.host: [Inventoried(c1.fence, c1.host, c1.vm_id, "running")]}, finders_last=finders_last)
