@@ -16,6 +16,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
+from services.agent.runtime.sim import load_host
 from services.testbed.natsserver import NatsServer
 from shared.fence.schema import CommandResult, Inventoried
 
@@ -87,7 +88,7 @@ def agent_args(nats: NatsServer, data_dir: Path, *extra: str) -> list[str]:
 
 
 def sim_host(data_dir: Path) -> dict[str, Any]:
-    raw: dict[str, Any] = msgspec.json.decode((data_dir / "runtime" / "sim-host.json").read_bytes())
+    raw: dict[str, Any] = msgspec.to_builtins(load_host(str(data_dir / "runtime")))
     return raw
 
 

@@ -179,3 +179,37 @@ async def test_snapshot_restore_keeps_memory(tmp_path: Path) -> None:
     assert info.state == "running" and d2.memory_token("h") == token
     with pytest.raises(RuntimeFailure):
         await d2.restore(VMSpec(vm_id="z"), str(tmp_path / "missing.snap"))
+
+
+async def test_the_host_record_is_a_journal_that_reloads_whole_and_survives_a_torn_line(tmp_path: Path) -> None:
+    """An effect appends one line (the host file is not rewritten per op, which made each op cost
+    O(VMs)); compaction folds the journal back; a reload sees exactly the driver's VMs and history."""
+    from services.agent.runtime.sim import HOST_FILE, JOURNAL_FILE, JOURNAL_MIN_COMPACT, load_host
+
+    d = SimDriver(state_dir=str(tmp_path), seed=7)
+    await d.open()
+    host_file = tmp_path / HOST_FILE
+    written = host_file.stat().st_mtime_ns
+    for i in range(JOURNAL_MIN_COMPACT - 10):
+        await d.create(VMSpec(vm_id=f"v{i}", labels=LABELS))
+    assert host_file.stat().st_mtime_ns == written, "an effect rewrote the whole host file"
+    await d.remove("v0")
+    await d.probe("v1")  # read-only: in the history, journaled with the next effect
+    await d.remove("v2")
+    rec = load_host(str(tmp_path))
+    assert sorted(rec.vms) == d.all_vms()
+    assert [(h.op, h.vm_id) for h in rec.history] == [(h.op, h.vm_id) for h in d.history]
+    inode = host_file.stat().st_ino
+    for i in range(3, JOURNAL_MIN_COMPACT - 10):  # the journal passes twice the VMs: compacted
+        await d.remove(f"v{i}")
+    assert host_file.stat().st_ino != inode, "the journal was never folded back into the host file"
+    assert len((tmp_path / JOURNAL_FILE).read_bytes().splitlines()) < JOURNAL_MIN_COMPACT
+    assert sorted(load_host(str(tmp_path)).vms) == d.all_vms()
+    # an agent SIGKILLed mid-write leaves a torn last line: everything before it still counts
+    await d.create(VMSpec(vm_id="last", labels=LABELS))
+    with open(tmp_path / JOURNAL_FILE, "ab") as f:
+        f.write(b'{"vm_id":"torn","vm":{"spec"')
+    d2 = SimDriver(state_dir=str(tmp_path), seed=7)
+    await d2.open()
+    assert d2.all_vms() == d.all_vms() and "last" in d2.all_vms() and "torn" not in d2.all_vms()
+    await d2.close()

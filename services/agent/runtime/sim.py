@@ -1,7 +1,9 @@
 """In-process, deterministic, fault-injectable runtime driver.
 
-The sim "host" is a record of VMs that outlives the agent process when ``state_dir`` is given
-(a JSON file, rewritten atomically after every effect). Tests use ``running_vms()`` and
+The sim "host" is a record of VMs that outlives the agent process when ``state_dir`` is given:
+``sim-host.json`` (the whole record, rewritten atomically at open, close and compaction) and
+``sim-host.journal`` (one line per effect, the changed VM only), so an effect costs the same at
+ten VMs as at ten thousand; ``load_host`` reads both (a torn last line is ignored). Tests use ``running_vms()`` and
 ``history`` as an oracle independent of the agent's own ledger.
 
 Faults (``driver.faults``):
@@ -163,6 +165,58 @@ class _HostRecord(msgspec.Struct):
     known: list[str] = []  # vm ids the (previous) agent was told about: a VM that vanishes is "gone"
 
 
+class _JournalLine(msgspec.Struct, omit_defaults=True):
+    """One effect on one VM: its record now (None: gone), whether the agent knows it, the counters."""
+
+    vm_id: str
+    vm: _SimVM | None
+    known: bool
+    next_pid: int
+    next_port: int
+    ops: list[SimOp] = []  # the history since the previous line (read-only ops included)
+
+
+HOST_FILE = "sim-host.json"
+JOURNAL_FILE = "sim-host.journal"
+JOURNAL_MIN_COMPACT = 256  # lines; compaction once the journal is past this and twice the VMs
+_journal_line = msgspec.json.Decoder(_JournalLine)
+
+
+def load_host(state_dir: str) -> _HostRecord:
+    """The host record of ``state_dir``: the last whole record, then its journal in order."""
+    rec = _HostRecord()
+    path = os.path.join(state_dir, HOST_FILE)
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            rec = msgspec.json.decode(f.read(), type=_HostRecord)
+    try:
+        with open(os.path.join(state_dir, JOURNAL_FILE), "rb") as f:
+            lines = f.read().split(b"\n")
+    except FileNotFoundError:
+        return rec
+    known = dict.fromkeys(rec.known)
+    for raw in lines:
+        if not raw:
+            continue
+        try:
+            line = _journal_line.decode(raw)
+        except msgspec.DecodeError:
+            break  # a torn write of a killed agent: nothing after it was ever acknowledged
+        if line.vm is None:
+            rec.vms.pop(line.vm_id, None)
+        else:
+            rec.vms[line.vm_id] = line.vm
+        if line.known:
+            known[line.vm_id] = None
+        else:
+            known.pop(line.vm_id, None)
+        rec.next_pid, rec.next_port = line.next_pid, line.next_port
+        rec.history.extend(line.ops)
+    rec.known = list(known)
+    del rec.history[: max(0, len(rec.history) - HISTORY_LIMIT)]
+    return rec
+
+
 @dataclass
 class _Snapshot:
     spec: VMSpec
@@ -188,6 +242,10 @@ class SimDriver:
         self._displays = DisplayPool(self.vnc_displays, check_port=False)
         self._snapshots: dict[str, _Snapshot] = {}
         self._opened = False
+        self._known: set[str] = set()
+        self._journal: Any = None  # the open journal file while state_dir is set
+        self._journal_lines = 0
+        self._unjournaled = 0  # history entries not yet in the journal
 
     # ------------------------------------------------------------------ oracle
     @property
@@ -210,23 +268,41 @@ class SimDriver:
 
     # ------------------------------------------------------------------ persistence
     def _path(self) -> str | None:
-        return os.path.join(self.state_dir, "sim-host.json") if self.state_dir else None
+        return os.path.join(self.state_dir, HOST_FILE) if self.state_dir else None
 
-    def _save(self) -> None:
+    def _save(self, vm_id: str | None = None) -> None:
+        """Persist one VM's effect as a journal line, or (``vm_id`` None, or the journal past
+        twice the VMs) the whole record, which empties the journal."""
         path = self._path()
         if path is None:
             return
+        if vm_id is not None and self._journal is not None and self._journal_lines < max(
+            JOURNAL_MIN_COMPACT, 2 * len(self._host.vms)
+        ):
+            ops = self._host.history[len(self._host.history) - self._unjournaled :] if self._unjournaled else []
+            line = _JournalLine(vm_id, self._host.vms.get(vm_id), vm_id in self._known,
+                                self._host.next_pid, self._host.next_port, ops)
+            self._journal.write(msgspec.json.encode(line) + b"\n")
+            self._journal.flush()
+            self._journal_lines += 1
+            self._unjournaled = 0
+            return
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        self._host.known = sorted(self._known)
         tmp = path + ".tmp"
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(msgspec.json.encode(self._host))  # VNC passwords: the agent user's alone
         os.replace(tmp, path)
+        if self._journal is not None:
+            self._journal.close()
+        journal = os.path.join(os.path.dirname(path), JOURNAL_FILE)
+        self._journal = os.fdopen(os.open(journal, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+        self._journal_lines = self._unjournaled = 0
 
     def _load(self) -> None:
-        path = self._path()
-        if path and os.path.exists(path):
-            with open(path, "rb") as f:
-                self._host = msgspec.json.decode(f.read(), type=_HostRecord)
+        if self.state_dir:
+            self._host = load_host(self.state_dir)
+        self._known = set(self._host.known)
 
     # ------------------------------------------------------------------ fault plumbing
     async def _enter(self, op: str, vm_id: str | None, labels: dict[str, str] | None = None) -> None:
@@ -253,18 +329,17 @@ class SimDriver:
         """History is the oracle's; it is bounded (HISTORY_LIMIT) and reads do not rewrite the
         host file (a probe per VM per second would otherwise make every save slower than the last)."""
         self._host.history.append(SimOp(op, vm_id, dict(labels or {}), outcome))
+        self._unjournaled = min(self._unjournaled + 1, HISTORY_LIMIT)
         if len(self._host.history) > HISTORY_LIMIT:
             del self._host.history[: len(self._host.history) - HISTORY_LIMIT]
         if op not in READ_ONLY_OPS:
-            self._save()
+            self._save(vm_id)
 
     def _know(self, vm_id: str) -> None:
-        if vm_id not in self._host.known:
-            self._host.known.append(vm_id)
+        self._known.add(vm_id)
 
     def _forget(self, vm_id: str) -> None:
-        if vm_id in self._host.known:
-            self._host.known.remove(vm_id)
+        self._known.discard(vm_id)
 
     def _info(self, vm: _SimVM) -> VMInfo:
         return VMInfo(
@@ -280,9 +355,9 @@ class SimDriver:
         )
 
     def _notice_gone(self, vm_id: str) -> None:
-        if vm_id in self._host.known and vm_id not in self._host.vms:
+        if vm_id in self._known and vm_id not in self._host.vms:
             self._forget(vm_id)
-            self._save()
+            self._save(vm_id)
             self._hub.publish(VMGoneEvent(vm_id=vm_id))
 
     @staticmethod
@@ -321,11 +396,14 @@ class SimDriver:
 
     async def close(self) -> None:
         self._save()
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
         self._hub.close()
 
     async def reconcile(self) -> None:
         """Notice VMs the host no longer has (-> VMGoneEvent)."""
-        for vm_id in list(self._host.known):
+        for vm_id in list(self._known):
             self._notice_gone(vm_id)
 
     def _check_image(self, op: str, spec: VMSpec) -> None:
@@ -474,7 +552,7 @@ class SimDriver:
             raise RuntimeFailure(f"crash_vm {vm_id}: not running")
         vm.state, vm.pid = "exited", None
         vm.exit_code = exit_code
-        self._save()
+        self._save(vm_id)
         self._hub.publish(VMExitedEvent(vm_id=vm_id, exit_code=exit_code, signal=signal))
 
     def lose_vm(self, vm_id: str) -> None:
@@ -484,12 +562,12 @@ class SimDriver:
             raise RuntimeFailure(f"lose_vm {vm_id}: unknown")
         if vm.vnc_display is not None:
             self._displays.release(vm.vnc_display, self._owner(vm.spec))
-        self._save()
+        self._save(vm_id)
 
     def set_ready(self, vm_id: str, ready: bool) -> None:
         vm = self._host.vms[vm_id]
         vm.ready = ready
-        self._save()
+        self._save(vm_id)
 
 
 

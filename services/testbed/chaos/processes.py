@@ -220,16 +220,17 @@ def scan_qemu(run_dir: Path) -> list[SeenVM]:
 
 def scan_sim(run_dir: Path) -> list[SeenVM]:
     """VMs the sim hosts record as existing (the file outlives a SIGKILLed agent, like a host)."""
+    from services.agent.runtime.sim import load_host
+
     out: list[SeenVM] = []
     for host in HOSTS:
-        path = run_dir / "agents" / host / "runtime" / "sim-host.json"
         try:
-            raw = json.loads(path.read_bytes())
+            rec = load_host(str(run_dir / "agents" / host / "runtime"))
         except (OSError, ValueError):
             continue
-        for vm_id, vm in (raw.get("vms") or {}).items():
-            if vm.get("state") in LIVE_STATES:
-                key, uid8 = _incarnation_of(vm_id, dict((vm.get("spec") or {}).get("labels") or {}))
+        for vm_id, vm in rec.vms.items():
+            if vm.state in LIVE_STATES:
+                key, uid8 = _incarnation_of(vm_id, dict(vm.spec.labels))
                 out.append(SeenVM(vm_id, key, uid8, None, host))
     return out
 
