@@ -84,6 +84,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     v.add_argument("--runtime", default="qemu", help="qemu or sim")
     v.add_argument("--count", type=int, default=5, help="VMs taken through the lifecycle")
     v.add_argument("--guest-boots", type=int, default=3, help="guest VMs booted for guest_boot_p50_s (qemu)")
+    v.add_argument("--network", default="user", choices=("user", "bridge"),
+                   help="bridge: also create-to-reachable on a pod network bridge vs a bare QEMU on the same tap")
     v.add_argument("--json", action="store_true", help="one JSON object on stdout")
     v.set_defaults(run=_bench_vm)
     r = bsub.add_parser("replay", help="replay of an export file of N entries vs decoding the same file")

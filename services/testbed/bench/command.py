@@ -221,7 +221,8 @@ def bench_decisions(args: argparse.Namespace) -> int:
 def bench_vm(args: argparse.Namespace) -> int:
     from services.testbed.bench.vm import run_vm_bench
 
-    result = run_main(run_vm_bench(args.runtime, args.count, guest_boots=getattr(args, "guest_boots", 3)))
+    result = run_main(run_vm_bench(args.runtime, args.count, guest_boots=getattr(args, "guest_boots", 3),
+                                   network=getattr(args, "network", "user")))
     emit(result, args.json)
     return 0
 
