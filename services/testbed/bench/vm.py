@@ -5,6 +5,11 @@ qcow2 overlay, the record on disk, the QMP handshake and the status poll. The ba
 ``qemu-system-x86_64`` with the driver's exact -machine/-accel/-m/-smp/-nodefaults options started
 by this benchmark to QMP ``running``, interleaved with the driver's creates so that load from other
 processes on a shared machine hits both alike. ``--runtime sim`` gives trivial numbers: a smoke run.
+
+``--network bridge`` (issue 12 §5) adds ``reachable``: guest VMs created through the driver on a pod
+network bridge of their own (services/agent/network.py), create-to-running and create-to-reachable
+(the first TCP answer from the guest's address) p50/p95, each VM followed by a bare QEMU booting the
+same guest on the same tap with the same address, measured the same way.
 """
 
 # The benchmark fork/execs QEMU and reads /proc from the event loop, as the driver does.
@@ -74,11 +79,12 @@ class RawQemu:
     """A bare QEMU with the driver's machine options and nothing else (no disk, no serial,
     no pidfile), driven over a QMP socket handed to it as a listening fd, as the driver does."""
 
-    def __init__(self, binary: str, machine: str, accel_opt: str, workdir: str, name: str) -> None:
+    def __init__(self, binary: str, machine: str, accel_opt: str, workdir: str, name: str,
+                 extra: list[str] | None = None, memory_mib: int = MEMORY_MIB) -> None:
         self.args = [
             binary, "-machine", machine, "-accel", accel_opt,
             "-nodefaults", "-no-user-config", "-display", "none",
-            "-m", str(MEMORY_MIB), "-smp", "1",
+            "-m", str(memory_mib), "-smp", "1", *(extra or []),
         ]  # fmt: skip
         self.dir = os.path.join(workdir, name)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -166,6 +172,87 @@ def guest_image_present() -> bool:
     return (GUEST_IMAGE / "vmlinuz").is_file() and (GUEST_IMAGE / "initramfs.cpio.gz").is_file()
 
 
+# ------------------------------------------------------------------------------- reachability
+
+
+NET_GUEST_MIB = 160
+NET_PORT = 8080  # the guest image's HTTP server
+REACH_POLL_S = 0.05
+REACH_ATTEMPT_S = 0.25  # one connect (an address nobody has yet does not answer ARP)
+
+
+async def _first_answer(ip: str, timeout: float) -> float | None:  # noqa: ASYNC109
+    """perf_counter() of the first TCP answer (a connect, a request, a byte back) from ip:8080."""
+    from services.agent.runtime.qemu import tcp_probe
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await tcp_probe(ip, NET_PORT, b"GET / HTTP/1.0\r\n\r\n", REACH_ATTEMPT_S):
+            return time.perf_counter()
+        await asyncio.sleep(REACH_POLL_S)
+    return None
+
+
+async def _reachability(driver: Any, net: Any, n: int, raw: Any) -> dict[str, Any]:
+    """n guest VMs through the driver on the host's bridge, each followed by a bare QEMU booting
+    the same guest on the same tap with the same address and MAC: create-to-running (the driver's
+    create returned / QMP running) and create-to-reachable (the first TCP answer from the guest's
+    address), per VM."""
+    from services.agent.runtime.netlink import delete_tap, ensure_tap
+
+    out: dict[str, list[float]] = {"running": [], "reachable": [], "raw_running": [], "raw_reachable": []}
+    image = str(GUEST_IMAGE)
+    for i in range(n):
+        vm_id = f"bench-net-{i}"
+        ip = list(net.pool.addresses())[i]
+        att = net.attach(vm_id, ip)
+        t0 = time.perf_counter()
+        await driver.create(VMSpec(vm_id=vm_id, memory_mib=NET_GUEST_MIB, image=image, probe_port=NET_PORT, net=att))
+        out["running"].append(time.perf_counter() - t0)
+        try:
+            at = await _first_answer(ip, GUEST_BOOT_TIMEOUT_S)
+            if at is not None:
+                out["reachable"].append(at - t0)
+        finally:
+            await driver.remove(vm_id)  # its tap goes with it
+        await ensure_tap(att)
+        append = f"console=ttyS0 quiet vmfence.ip={ip}/{att.prefix} vmfence.gw={att.gateway}"
+        rq = raw(f"raw-net-{i}", [
+            "-kernel", os.path.join(image, "vmlinuz"), "-initrd", os.path.join(image, "initramfs.cpio.gz"),
+            "-append", append, "-netdev", f"tap,id=net0,ifname={att.tap},script=no,downscript=no",
+            "-device", f"virtio-net-pci,netdev=net0,mac={att.mac},romfile=",
+        ])
+        try:
+            t0 = time.perf_counter()
+            out["raw_running"].append(await rq.start())
+            at = await _first_answer(ip, GUEST_BOOT_TIMEOUT_S)
+            if at is not None:
+                out["raw_reachable"].append(at - t0)
+        finally:
+            await rq.stop()
+            await delete_tap(att)
+    return out
+
+
+def _reach_figures(r: dict[str, list[float]], n: int) -> dict[str, Any]:
+    def p(vals: list[float], q: float) -> float | None:
+        return _r(statistics.median(vals) if q == 50 else pct(vals, q)) if vals else None
+
+    return {
+        "vms": n,
+        "reached": len(r["reachable"]),
+        "create_to_running_p50_s": p(r["running"], 50),
+        "create_to_running_p95_s": p(r["running"], 95),
+        "create_to_reachable_p50_s": p(r["reachable"], 50),
+        "create_to_reachable_p95_s": p(r["reachable"], 95),
+        "raw_qemu_running_p50_s": p(r["raw_running"], 50),
+        "raw_qemu_running_p95_s": p(r["raw_running"], 95),
+        "raw_qemu_reachable_p50_s": p(r["raw_reachable"], 50),
+        "raw_qemu_reachable_p95_s": p(r["raw_reachable"], 95),
+        "guest_memory_mib": NET_GUEST_MIB,
+    }
+
+
 # ------------------------------------------------------------------------------- the bench
 
 
@@ -220,16 +307,20 @@ async def _lifecycle(
     }
 
 
-async def run_vm_bench(runtime: str, count: int, *, guest_boots: int = 3) -> dict[str, Any]:
-    """The `bench vm` result: driver create latency beside a bare QEMU, hibernate/wake, RSS."""
+async def run_vm_bench(runtime: str, count: int, *, guest_boots: int = 3, network: str = "user") -> dict[str, Any]:
+    """The `bench vm` result: driver create latency beside a bare QEMU, hibernate/wake, RSS; with
+    ``network="bridge"`` (qemu) also create-to-reachable on the pod network beside a bare QEMU on
+    the same tap (``guest_boots`` guest VMs)."""
     if count < 1:
         raise ValueError("count must be at least 1")
+    if network not in ("user", "bridge"):
+        raise ValueError(f"unknown network {network!r} (user or bridge)")
     tmp = tempfile.mkdtemp(prefix="vmfence-benchvm-")
     try:
         if runtime == "sim":
-            return await _run_sim(count, tmp)
+            return {**await _run_sim(count, tmp), "network": network}
         if runtime == "qemu":
-            return await _run_qemu(count, tmp, guest_boots)
+            return await _run_qemu(count, tmp, guest_boots, network)
         raise ValueError(f"unknown runtime {runtime!r} (qemu or sim)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -260,7 +351,8 @@ async def _run_sim(count: int, tmp: str) -> dict[str, Any]:
     }
 
 
-async def _run_qemu(count: int, tmp: str, guest_boots: int) -> dict[str, Any]:
+async def _run_qemu(count: int, tmp: str, guest_boots: int, network: str = "user") -> dict[str, Any]:
+    from services.agent.network import HostNetwork
     from services.agent.runtime.qemu import QemuDriver
 
     if shutil.which("qemu-system-x86_64") is None or shutil.which("qemu-img") is None:
@@ -282,8 +374,9 @@ async def _run_qemu(count: int, tmp: str, guest_boots: int) -> dict[str, Any]:
         accel_opt = f"tcg,tb-size={driver.tcg_tb_size_mib}" if accel == "tcg" else accel
         rawdir = os.path.join(tmp, "raw")
 
-        def raw(name: str) -> RawQemu:
-            return RawQemu(driver.qemu_binary, driver.machine, accel_opt, rawdir, name)
+        def raw(name: str, extra: list[str] | None = None) -> RawQemu:
+            memory = NET_GUEST_MIB if extra else MEMORY_MIB
+            return RawQemu(driver.qemu_binary, driver.machine, accel_opt, rawdir, name, extra, memory)
 
         # warm-up (not counted): the base image, page cache for the QEMU binary and firmware
         t0 = time.perf_counter()
@@ -299,6 +392,17 @@ async def _run_qemu(count: int, tmp: str, guest_boots: int) -> dict[str, Any]:
         has_guest = guest_image_present()
         if has_guest and guest_boots > 0:
             boots = await _guest_boots(driver, guest_boots)
+        reach: dict[str, Any] | None = None
+        if network == "bridge":
+            if not has_guest:
+                raise RuntimeError("--network bridge measures reachability of the guest image: make guest-image")
+            net = HostNetwork("bridge", tmp, "bench")
+            await net.open()
+            try:
+                reach = _reach_figures(await _reachability(driver, net, max(1, guest_boots), raw), max(1, guest_boots))
+            finally:
+                await net.teardown()
+                net.close()
     finally:
         await driver.close()
     create_p50 = statistics.median(r["creates"])
@@ -329,4 +433,6 @@ async def _run_qemu(count: int, tmp: str, guest_boots: int) -> dict[str, Any]:
         "memory_mib": MEMORY_MIB,
         "loadavg_1m_end": round(load1, 2),
         "cpus": os.cpu_count(),
+        "network": network,
+        **({"reachable": reach} if reach is not None else {}),
     }
