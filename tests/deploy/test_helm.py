@@ -37,7 +37,7 @@ ALLOWED: dict[str, dict[tuple[str, str, str], set[str]]] = {
         ("", "nodes", "*"): {"get", "list", "watch", "create", "patch", "update", "delete"},
         ("", "nodes/status", "*"): {"patch", "update"},
         ("coordination.k8s.io", "leases", "kube-node-lease"): {"get", "create", "update", "patch", "delete"},
-        ("vmfence.io", "virtualmachines", "*"): {"get", "list", "watch"},
+        ("vmfence.io", "virtualmachines", "*"): {"get", "list", "watch", "delete"},
         ("vmfence.io", "virtualmachines/status", "*"): {"get", "patch", "update"},
     },
     "agent": {},
