@@ -542,20 +542,29 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "ledger-bury-releases-anyones", LEDGER_PY,
-        "        \"DELETE FROM reservations WHERE vm_id = ? AND uid = ? AND epoch = ? AND kind != 'snapshot'\",\n"
-        "        (vm_id, owner.uid, owner.epoch),\n",
-        "        \"DELETE FROM reservations WHERE vm_id = ? AND kind != 'snapshot'\",\n"
-        "        (vm_id,),\n",
+        "        f\"DELETE FROM reservations WHERE vm_id = ? AND uid = ? AND epoch = ? \"\n"
+        "        f\"AND kind NOT IN ({', '.join('?' for _ in kept)})\",\n"
+        "        (vm_id, owner.uid, owner.epoch, *kept),\n",
+        "        f\"DELETE FROM reservations WHERE vm_id = ? \"\n"
+        "        f\"AND kind NOT IN ({', '.join('?' for _ in kept)})\",\n"
+        "        (vm_id, *kept),\n",
         "rule 9: burying a VM releases only what its owner holds on it (a predecessor's recovery cannot "
         "free a successor's reservations)",
         LEDGER,
     ),
     Mutant(
         "ledger-bury-drops-snapshots", LEDGER_PY,
-        "        \"DELETE FROM reservations WHERE vm_id = ? AND uid = ? AND epoch = ? AND kind != 'snapshot'\",\n",
-        "        \"DELETE FROM reservations WHERE vm_id = ? AND uid = ? AND epoch = ?\",\n",
+        "    kept = (\"snapshot\", ADDRESS_KIND) if reason == \"hibernated\" else (\"snapshot\",)\n",
+        "    kept = (ADDRESS_KIND,) if reason == \"hibernated\" else (\"\",)\n",
         "rule 9/10: a snapshot reservation outlives its VM (the hibernated pod wakes from it)",
         LEDGER,
+    ),
+    Mutant(
+        "ledger-bury-drops-hibernated-address", LEDGER_PY,
+        "    kept = (\"snapshot\", ADDRESS_KIND) if reason == \"hibernated\" else (\"snapshot\",)\n",
+        "    kept = (\"snapshot\",)\n",
+        "rule 9: a hibernated VM keeps its address with its snapshot (the restored guest has it configured)",
+        ("tests/agent/test_network.py",),
     ),
     Mutant(
         "ledger-adopt-keeps-old-owner", LEDGER_PY,
