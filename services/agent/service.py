@@ -688,7 +688,7 @@ class Agent:
             host=cfg.host, runtime=self.driver.name,
             cpus_total=cfg.cpus, cpus_free=cpus_free, memory_total_mib=cfg.memory_mib,
             memory_free_mib=memory_free, vms=len(rows), at=time.time(), accel=getattr(self.driver, "accel", None),
-            ip=self.host_ip,
+            ip=self.host_ip, network=cfg.network,
         )
         await asyncio.wait_for(self._kv.put(cfg.host, encode(hb)), NET_TIMEOUT_S)
         self.metrics.reports.labels(kind="heartbeat").inc()

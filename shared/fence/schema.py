@@ -655,6 +655,9 @@ class HostHeartbeat(msgspec.Struct, frozen=True, omit_defaults=True):
     at: float  # the agent's wall clock, informational
     ip: str | None = None
     accel: str | None = None
+    # pod networking: "bridge" (VMs have addresses of the host's pool), "user" (QEMU user networking:
+    # VMs have no address reachable from outside), "none"; None from an agent before networking
+    network: str | None = None
     v: int = SCHEMA_VERSION
 
 
