@@ -1,4 +1,5 @@
-"""`vmfence chaos`: the fault campaigns' command line (processes, seeded model, seeded stack)."""
+"""`vmfence chaos`: the fault campaigns' command line (processes, compose containers, seeded model,
+seeded stack)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ from shared.tasks import run_main
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("chaos", help="fault campaigns: --processes (real processes) or --seeds (deterministic)")
+    p = sub.add_parser("chaos", help="fault campaigns: --processes (real processes), --compose (compose.yaml's "
+                                     "containers) or --seeds (deterministic)")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--processes", action="store_true", help="real processes, SIGKILLs, an OS-level oracle")
+    mode.add_argument("--compose", action="store_true",
+                      help="compose.yaml's stack in podman containers (make images first): podman kill, network "
+                           "partitions and pauses, an oracle on the host's process table")
     p.add_argument("--stack", action="store_true",
                    help="with --seeds/--seed: seeded workload and faults against the real in-process stack")
     p.add_argument("--hostile", action="store_true",
@@ -37,12 +42,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--keep", action="store_true", help="keep the run directory (logs) after a clean run")
     p.add_argument("--targets", default="all",
                    help="comma-separated kinds to SIGKILL: apiserver,watcher,reconciler,agent,nats (default all)")
+    p.add_argument("--plan", default="",
+                   help="(--compose) these faults in order, then none: KIND:TARGET,... with KIND kill, partition or "
+                        "pause and TARGET agent, nats, reconciler, watcher, apiserver or a service name "
+                        "(default: seeded random faults for --minutes)")
+    p.add_argument("--fault-every", type=float, default=4.0,
+                   help="(--compose) mean seconds between one fault's end and the next fault")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(run=run_chaos)
 
 
 def run_chaos(args: argparse.Namespace) -> int:
+    if args.compose:
+        return _run_compose_campaign(args)
     if not args.processes:
         return _run_sim_campaign(args)
     from services.testbed.chaos.processes import ProcessChaos
@@ -60,6 +73,34 @@ def run_chaos(args: argparse.Namespace) -> int:
         sys.stdout.flush()  # the verdict is out even if the interpreter's exit is slow
     else:
         _print_human(result)
+    return 0 if result["ok"] else 1
+
+
+def _run_compose_campaign(args: argparse.Namespace) -> int:
+    from services.testbed.chaos.compose import ComposeError, parse_plan, run_compose_chaos
+
+    try:
+        parse_plan(args.plan)
+    except ValueError as exc:
+        print(f"vmfence chaos: {exc}", file=sys.stderr)
+        return 2
+    if args.dir == ".vmfence/chaos":
+        args.dir = ".vmfence/chaos-compose"
+    try:
+        result = run_compose_chaos(args)
+    except (ComposeError, RuntimeError, TimeoutError, OSError) as exc:
+        print(f"vmfence chaos: {exc}", file=sys.stderr)
+        return 1
+    except asyncio.CancelledError:
+        print("vmfence chaos: interrupted; the compose stack was taken down", file=sys.stderr)
+        return 130
+    if args.json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()
+    else:
+        _print_human(result)
+        for k in ("containers", "partitions", "pauses"):
+            print(f"{k:>26}: {result.get(k)}")
     return 0 if result["ok"] else 1
 
 
