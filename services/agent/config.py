@@ -125,6 +125,17 @@ class AgentConfig(ServiceSettings):
     retry_base: float = _seconds(1.0, "seconds before the first redelivery of a command that failed")
     retry_max: float = _seconds(60.0, "longest wait between redeliveries of a failing command")
     connect_timeout: float = _seconds(30.0, "seconds each startup network step may take (NATS connect, consumer, KV)")
+    kubelet_port: int = setting(10250, "port of the kubelet endpoint kubectl logs reaches through the API server "
+                                "(HTTPS; served when --kubelet-tls-cert, --kubelet-tls-key and --kubelet-client-ca "
+                                "are set; 0 = any free port)", lo=0, hi=65535)
+    kubelet_listen: str = setting("", "address the kubelet endpoint listens on", parse=parse_optional_ip,
+                                  metavar="ADDRESS", shown_default="this host's address (--host-ip), else 127.0.0.1")
+    kubelet_tls_cert: str = setting("", "the kubelet endpoint's serving certificate (PEM)", metavar="FILE")
+    kubelet_tls_key: str = setting("", "its private key (PEM)", metavar="FILE")
+    kubelet_client_ca: str = setting("", "CA whose client certificates the kubelet endpoint accepts (the API "
+                                     "server's kubelet client)", metavar="FILE")
+    kubelet_client_names: str = setting("kube-apiserver-kubelet-client", "comma-separated certificate common "
+                                        "names the kubelet endpoint accepts (empty: any the CA signed)")
     collect_interval: float = _seconds(60.0, "seconds between collector passes (unowned snapshots, VM "
                                              "directories, addresses, taps)")
     collect_grace: float = setting(600.0, "seconds an unowned snapshot or VM directory is left before it is "
@@ -158,6 +169,12 @@ class AgentConfig(ServiceSettings):
                               f"to the VNC TCP ports FIRST-LAST, e.g. 5910-5929, or none")
         if self.retry_max < self.retry_base:
             raise ConfigError("--retry-max must be at least --retry-base")
+        tls = (self.kubelet_tls_cert, self.kubelet_tls_key, self.kubelet_client_ca)
+        if any(tls) and not all(tls):
+            raise ConfigError("--kubelet-tls-cert, --kubelet-tls-key and --kubelet-client-ca go together")
+        for path in tls:
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"kubelet TLS file {path!r} does not exist")
         if self.sim_faults and self.runtime != "sim":
             raise ConfigError("--sim-fault needs --runtime sim")
         for label, path in (("data dir", self.data_dir), ("snapshot dir", self.snapshots)):

@@ -322,10 +322,11 @@ class Executor:
                 took = await self._take_snapshot_address(cmd, snapshot, held)
                 if took is not None:
                     return net.attach(cmd.vm_id, took)
-            ip = pool.pick(held.keys(), after=self._last_ip)
-            if ip is None:
+            picked = pool.pick(held.keys(), after=self._last_ip)
+            if picked is None:
                 raise Answer("failed", f"address pool {pool.subnet} of {self.host} is full: all {pool.size} "
                                        f"addresses are held by VMs")
+            ip = picked
             await self.ledger.reserve(ADDRESS_KIND, ip, cmd.vm_id, cmd.fence)
             self._last_ip = ip
         log.info("address %s reserved", ip, extra=cmd_fields(cmd, event="address_reserved"))

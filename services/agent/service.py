@@ -40,6 +40,7 @@ from services.agent.answers import inventory_responder, vnc_responder
 from services.agent.collect import Collector
 from services.agent.config import AgentConfig
 from services.agent.executor import Executor, VMLocks, labels_fence
+from services.agent.kubelet import KubeletServer, KubeletTls
 from services.agent.ledger import LEDGER_FILE, TRANSIENT_STATES, Ledger, is_write_failure
 from services.agent.logs import cmd_fields, fence_fields
 from services.agent.metrics import AgentMetrics
@@ -195,6 +196,7 @@ class Agent:
             pool_cidr=parse_cidr(config.pod_cidr_pool), taps=config.runtime == "qemu",
         )
         self.collector: Collector | None = None
+        self.kubelet: KubeletServer | None = None
 
     @property
     def driver(self) -> RuntimeDriver:
@@ -277,6 +279,7 @@ class Agent:
             psub = await self._startup(self._subscribe(), "create the command consumer")
             await self._startup(self._answer_queries(), "answer inventory queries")
             await self._start_http()
+            await self._start_kubelet()
             await self._startup(self.inventory(), "publish the inventory")
             await self._startup(self.heartbeat(), "write the heartbeat")
             self._ready = True
@@ -291,6 +294,8 @@ class Agent:
                     tg.create_task(self.prober.run(), name="probes"),
                     tg.create_task(self._every(cfg.collect_interval, self.collect), name="collector"),
                 ]
+                if self.kubelet is not None:
+                    background.append(tg.create_task(self.kubelet.run_clock(), name="console-clock"))
                 try:
                     await self._consume(psub)  # returns once stopping and in-flight work is done
                 finally:  # also when run() itself is cancelled: the group would cancel them only once
@@ -332,6 +337,8 @@ class Agent:
             if self._health is not None:
                 steps.push_async_callback(self._health.stop)
                 self._health = None
+            if self.kubelet is not None:
+                steps.push_async_callback(self.kubelet.stop)
             if self._driver is not None:  # drops connections; never kills VMs
                 steps.push_async_callback(run_within, self._driver.close(), NET_TIMEOUT_S, what="closing the driver")
             if self.config.cleanup_on_stop and self.executor is not None:
@@ -417,6 +424,22 @@ class Agent:
                                   f"{e.strerror}") from e
         self._health = health
         self.http_port = health.port
+
+    async def _start_kubelet(self) -> None:
+        """The kubelet endpoint kubectl logs reaches through the API server (services/agent/kubelet.py)."""
+        cfg = self.config
+        if not cfg.kubelet_tls_cert:
+            return
+        names = tuple(n.strip() for n in cfg.kubelet_client_names.split(",") if n.strip())
+        tls = KubeletTls(cfg.kubelet_tls_cert, cfg.kubelet_tls_key, cfg.kubelet_client_ca, names)
+        server = KubeletServer(self.ledger, self.driver, cfg.host, tls,
+                               listen=cfg.kubelet_listen or self.host_ip or "127.0.0.1", port=cfg.kubelet_port)
+        try:
+            await server.start()
+        except (OSError, ValueError) as e:
+            where = f"{server.listen}:{cfg.kubelet_port}"
+            raise AgentStartError(f"cannot serve the kubelet endpoint on {where}: {e}") from e
+        self.kubelet = server
 
     # ------------------------------------------------------------------ publishing
     def _next_id(self) -> int:
@@ -688,7 +711,8 @@ class Agent:
             host=cfg.host, runtime=self.driver.name,
             cpus_total=cfg.cpus, cpus_free=cpus_free, memory_total_mib=cfg.memory_mib,
             memory_free_mib=memory_free, vms=len(rows), at=time.time(), accel=getattr(self.driver, "accel", None),
-            ip=self.host_ip, network=cfg.network,
+            ip=self.host_ip or (self.kubelet.listen if self.kubelet is not None else None), network=cfg.network,
+            kubelet_port=self.kubelet.port if self.kubelet is not None else None,
         )
         await asyncio.wait_for(self._kv.put(cfg.host, encode(hb)), NET_TIMEOUT_S)
         self.metrics.reports.labels(kind="heartbeat").inc()

@@ -658,6 +658,7 @@ class HostHeartbeat(msgspec.Struct, frozen=True, omit_defaults=True):
     # pod networking: "bridge" (VMs have addresses of the host's pool), "user" (QEMU user networking:
     # VMs have no address reachable from outside), "none"; None from an agent before networking
     network: str | None = None
+    kubelet_port: int | None = None  # the agent's kubelet endpoint (Node status.daemonEndpoints), None: not served
     v: int = SCHEMA_VERSION
 
 

@@ -22,6 +22,7 @@ forever) and/or with a ``probability`` drawn from the driver's seeded random.Ran
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -364,9 +365,33 @@ class SimDriver:
     def _owner(spec: VMSpec) -> str:
         return vnc_owner(spec)
 
+    # ------------------------------------------------------------------ console
+    def serial_log(self, vm_id: str) -> str:
+        """Where the VM's console is written (as the qemu driver's serial.log): a few lines per boot."""
+        return os.path.join(self.state_dir or ".", "console", f"{vm_id}.log")
+
+    def _console_boot(self, spec: VMSpec, pid: int) -> None:
+        """A boot's console: the previous boot's moved to ``.previous`` (``kubectl logs --previous``)."""
+        if not self.state_dir:
+            return
+        path = self.serial_log(spec.vm_id)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        if os.path.exists(path):
+            os.replace(path, path + ".previous")
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(f"sim: booting {spec.vm_id} (pid {pid}, {spec.cpus} cpu, {spec.memory_mib} MiB)\n"
+                    f"VMFENCE-READY sim\n")
+
+    def _console_drop(self, vm_id: str) -> None:
+        if self.state_dir:
+            for p in (self.serial_log(vm_id), self.serial_log(vm_id) + ".previous"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+
     def _boot(self, spec: VMSpec, token: str | None = None) -> _SimVM:
         pid = self._host.next_pid
         self._host.next_pid += 1
+        self._console_boot(spec, pid)
         port = None
         if spec.probe_port is not None:
             port = self._host.next_port
@@ -466,6 +491,7 @@ class SimDriver:
         if vm is not None and vm.vnc_display is not None:
             self._displays.release(vm.vnc_display, self._owner(vm.spec))
         self._forget(vm_id)
+        self._console_drop(vm_id)
         self._exit("remove", vm_id, vm.spec.labels if vm else None)
 
     async def inspect(self, vm_id: str) -> VMInfo | None:

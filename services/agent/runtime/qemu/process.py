@@ -67,6 +67,13 @@ def read_record(vm_dir: str) -> Record | None:
 
 
 
+def rotate_console(serial: str) -> None:
+    """The boot before this one keeps its console as ``serial.log.previous`` (``kubectl logs --previous``)."""
+    with contextlib.suppress(FileNotFoundError):
+        if os.path.getsize(serial) > 0:
+            os.replace(serial, serial + ".previous")
+
+
 def free_tcp_port() -> int:
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -208,6 +215,7 @@ class Qemu:
         for stale in (sock_path, os.path.join(vm.dir, "qemu.pid")):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale)
+        rotate_console(os.path.join(vm.dir, "serial.log"))
         for log_file in ("serial.log", "firmware.log"):  # QEMU opens them and keeps their mode
             private_file(os.path.join(vm.dir, log_file))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
