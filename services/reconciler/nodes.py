@@ -90,7 +90,7 @@ def _status(hb: HostHeartbeat, cur: JSON | None, fresh: bool, age_s: float) -> J
     addresses = [{"type": "Hostname", "address": hb.host}]
     if hb.ip:
         addresses.insert(0, {"type": "InternalIP", "address": hb.ip})
-    return {
+    out: JSON = {
         "capacity": cap,
         "allocatable": dict(cap),
         "conditions": [ready],
@@ -109,6 +109,9 @@ def _status(hb: HostHeartbeat, cur: JSON | None, fresh: bool, age_s: float) -> J
         },
         "phase": "Running",
     }
+    if hb.kubelet_port:  # where the API server reaches the agent's kubelet endpoint (kubectl logs)
+        out["daemonEndpoints"] = {"kubeletEndpoint": {"Port": hb.kubelet_port}}
+    return out
 
 
 async def _raw(fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> JSON:
