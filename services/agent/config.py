@@ -61,6 +61,33 @@ def parse_optional_ip(text: str) -> str:
     return parse_listen(text) if text.strip() else ""
 
 
+MIN_MEMORY_MIB = 16  # the smallest capacity a host offers (a VM's own minimum)
+_FALLBACK_MEMORY_MIB = 4096  # a host whose /proc/meminfo cannot be read (not Linux)
+
+
+def host_cpus() -> int:
+    """The CPUs this process may run on (a cgroup or taskset limit counts, as for a kubelet)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def host_memory_mib(meminfo: str = "/proc/meminfo") -> int:
+    """MemTotal of ``meminfo`` in MiB (kB there are KiB); a fallback when it cannot be read."""
+    try:
+        with open(meminfo, encoding="ascii", errors="replace") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name == "MemTotal":
+                    fields = rest.split()
+                    if fields and fields[0].isdigit() and len(fields[0]) <= 15:
+                        return max(MIN_MEMORY_MIB, int(fields[0]) // 1024)
+    except OSError:
+        pass
+    return _FALLBACK_MEMORY_MIB
+
+
 def _default_host() -> str:
     name = socket.gethostname().split(".", 1)[0]
     safe = re.sub(r"[^A-Za-z0-9_-]", "-", name)[:63].strip("-_")
@@ -104,9 +131,15 @@ class AgentConfig(ServiceSettings):
     host_ip: str = setting("", "this host's address in its heartbeat (the Node's InternalIP, pods' hostIP)",
                            parse=parse_optional_ip, metavar="ADDRESS",
                            shown_default="the pod network's gateway (bridge networking), else none")
-    cpus: int = setting(help="CPU capacity reported in the heartbeat", factory=lambda: os.cpu_count() or 1,
-                        lo=1, shown_default="the CPU count")
-    memory_mib: int = setting(4096, "memory capacity (MiB) reported in the heartbeat", lo=16)
+    cpus: int = setting(0, "CPUs offered to VMs (heartbeat, the Node's allocatable); 0 = this host's own "
+                        "(sched_getaffinity) minus --reserve-cpus", lo=0, hi=4096,
+                        shown_default="0: the host's CPUs minus --reserve-cpus")
+    memory_mib: int = setting(0, "memory (MiB) offered to VMs; 0 = MemTotal of /proc/meminfo minus --reserve-memory",
+                              lo=0, shown_default="0: the host's memory minus --reserve-memory")
+    reserve_cpus: int = setting(0, "CPUs kept for the host itself when --cpus is 0 (the Node's capacity minus "
+                                "its allocatable)", lo=0, hi=4096)
+    reserve_memory_mib: int = setting(512, "memory (MiB) kept for the host itself when --memory-mib is 0",
+                                      flag="--reserve-memory", lo=0)
     image_dir: str = setting("", "where relative guest image names resolve", shown_default="<data-dir>/images")
     inventory_interval: float = _seconds(60.0, "seconds between inventory rounds")
     heartbeat_interval: float = _seconds(5.0, "seconds between heartbeats")
@@ -147,6 +180,13 @@ class AgentConfig(ServiceSettings):
         (), "sim fault injection for tests, e.g. delay:create:30 (repeatable; sim runtime only)",
         flag="--sim-fault", repeat=True, metavar="KIND:OP[:SECONDS]", pattern=SIM_FAULT_RE, want="kind:op[:seconds]",
     )
+
+    def __post_init__(self) -> None:
+        """0 for --cpus / --memory-mib: derived from the host (the heartbeat sends these numbers)."""
+        if self.cpus == 0:
+            object.__setattr__(self, "cpus", max(1, host_cpus() - self.reserve_cpus))
+        if self.memory_mib == 0:
+            object.__setattr__(self, "memory_mib", max(MIN_MEMORY_MIB, host_memory_mib() - self.reserve_memory_mib))
 
     @property
     def snapshots(self) -> str:

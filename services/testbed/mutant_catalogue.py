@@ -368,10 +368,18 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "decide-second-vm-beside-the-first", DECIDE,
-        "    if s.vms:\n        return  # another VM of the key",
+        "    if s.vms and not _stranded(run, cur):\n        return  # another VM of the key",
         "    if False:\n        return  # another VM of the key",
         "never two VMs for one key: a successor's VM waits until every other VM of the key is released",
         KERNEL,
+    ),
+    Mutant(
+        "decide-stranded-on-a-live-host", DECIDE,
+        " or r.fence.uid == cur.fence.uid or r.host in live for r in others):",
+        " or r.fence.uid == cur.fence.uid for r in others):",
+        "rule 12 / never two VMs: a force-deleted predecessor's VM being removed on a live host is waited for; "
+        "only one stranded on a host that is not live lets the successor start elsewhere",
+        SCHEDULING,
     ),
     Mutant(
         "decide-old-absent-read-deletes", DECIDE,

@@ -144,6 +144,9 @@ class Auditor:
         self._created = 0
         self._released = 0
         self._two_live: set[str] = set()  # keys whose last count found more than one live VM
+        # VMs a log declared stranded (a force-deleted predecessor's, being removed on a dead host):
+        # a successor's placement beside them is the operator's call, not a second VM of the policy's
+        self._stranded: dict[str, set[str]] = {}
         self._checks: dict[type, Callable[[KeyState, dict[str, Command], Any, int, int | None], None]] = {
             Admitted: self._admitted,
             Placed: self._placed,
@@ -217,7 +220,9 @@ class Auditor:
             self._bad(s.key, n, seq, "placed_off_node",
                       f"placed {vm_id} on {d.host}; the pod is bound to {cur.spec.node}")
         if s.vms:
-            others = [v for v in s.vms.values() if v.vm_id != vm_id]
+            stranded = self._stranded.get(s.key, set())
+            others = [v for v in s.vms.values() if v.vm_id != vm_id
+                      and not (v.state == "removing" and v.vm_id in stranded)]
             if others:
                 names = ", ".join(f"{v.vm_id}({v.state})" for v in others)
                 self._bad(s.key, n, seq, "two_vms_for_key", f"{vm_id} placed while {names} exist")
@@ -277,6 +282,8 @@ class Auditor:
 
     def _skipped_input(self, s: KeyState, cmds: dict[str, Command], d: Skipped, n: int, seq: int | None) -> None:
         self._skipped[d.reason] += 1
+        if d.reason == "stranded":
+            self._stranded.setdefault(s.key, set()).add(d.detail)
 
     def _done(self, s: KeyState, cmds: dict[str, Command], d: Done, n: int, seq: int | None) -> None:
         # a finished command is remembered: results (bound, adopted, released) are checked against it

@@ -403,6 +403,7 @@ def _admit(run: _Run, r: ConfirmedRead) -> None:
     prev = s.cur
     adopt_vm: str | None = None
     if prev is not None:
+        _remove_hibernated(run, prev)  # its saved VM, snapshot and address: the successor never wakes it
         run.add(Superseded(prev.fence, by_uid=r.uid))
         _event(run, prev.fence, "Superseded", f"replaced by incarnation {r.uid}", warning=False)
         if r.spec.on_recreate == "adopt" and not r.deleting and prev.vm_id in s.vms and prev.bound:
@@ -454,7 +455,7 @@ def _bring_up(run: _Run) -> None:
         return  # after a lost tail, no VM is made until every host said what it has
     if cur.vm_id is not None and cur.vm_id in s.vms:
         return  # has (or is making) its VM
-    if s.vms:
+    if s.vms and not _stranded(run, cur):
         return  # another VM of the key is still being removed or adopted: wait for its Released
     if _place_pending(s, cur.fence):
         return
@@ -474,6 +475,21 @@ def _bring_up(run: _Run) -> None:
     vm_id = _vm_name(s.key, cur.fence.uid, cur.gen + 1)
     run.add(Placed(cur.fence, vm_id, host))
     _command(run, "create", cur.fence, host, vm_id, cur.spec)
+
+
+def _stranded(run: _Run, cur: Incarnation) -> bool:
+    """Every other VM of the key is a predecessor's, being removed, on a host that is not live: the
+    predecessor's object was force-deleted (vmfence never frees a name before its VM is confirmed
+    gone, rule 12), which is the operator's word that its VM is out of the way, as for a pod on a
+    down kubelet. Logged per VM as Skipped(stranded); the remove stays queued for its host. A
+    removal on a live host is always waited for."""
+    live = {h.name for h in run.env.hosts}
+    others = list(run.s.vms.values())
+    if not others or any(r.state != "removing" or r.fence.uid == cur.fence.uid or r.host in live for r in others):
+        return False
+    for r in others:
+        run.add(Skipped("stranded", r.fence.uid, r.vm_id))
+    return True
 
 
 def _is_pod(key: str) -> bool:
@@ -813,6 +829,11 @@ def _delete_path(run: _Run, cur: Incarnation, *, gone: bool) -> None:
     for rec in mine:
         if rec.state != "removing":
             _command(run, "remove", rec.fence, rec.host, rec.vm_id, None)
+    if not mine and _remove_hibernated(run, cur):
+        mine = _vms_of(s, cur)
+        if gone:
+            _forget(run, cur)  # the object is gone; the remove of its saved VM goes on under its fence
+        return
     if not mine:
         if gone:
             _forget(run, cur)
@@ -821,6 +842,17 @@ def _delete_path(run: _Run, cur: Incarnation, *, gone: bool) -> None:
         # else: a survey is out after a lost log tail (or, loaded from the log, to find one nobody
         # saw); a VM the lost tail made may still run, so the object stays until every host
         # answered (its answer finishes the delete)
+
+
+def _remove_hibernated(run: _Run, cur: Incarnation) -> bool:
+    """A hibernated incarnation that ends: its saved VM's host is told to remove it (the snapshot
+    files and the address it kept go with it, owned by its fence: rule 9). True if commanded."""
+    if not cur.hibernated or cur.hibernated_vm is None or cur.snapshot_host is None:
+        return False
+    if cur.hibernated_vm in run.s.vms:
+        return False
+    _command(run, "remove", cur.fence, cur.snapshot_host, cur.hibernated_vm, None)
+    return True
 
 
 def _vms_of(s: KeyState, cur: Incarnation) -> list[VMRec]:

@@ -319,6 +319,10 @@ SkipReason = Literal[
     "invalid_spec",  # older writers only: a rejected spec change (now SpecChanged(invalid))
     "epoch_out_of_bounds",  # a report's fence above MAX_EPOCH, below 0, or far above the log's epoch
     "wrong_host",  # a report about a VM from a host other than the one the log placed it on
+    # a force-deleted predecessor's VM still being removed on a host that is not live (detail: its
+    # vm_id): the successor starts on a live host meanwhile — the operator's force delete is the
+    # confirmation, as for a kubelet whose node is down; the remove stays queued for that host
+    "stranded",
 ]
 ReleaseReason = Literal[
     "removed", "gone", "lost", "fenced", "create_failed", "start_failed", "wake_failed"

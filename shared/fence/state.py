@@ -98,6 +98,7 @@ class Incarnation(msgspec.Struct, omit_defaults=True):
     failure: str | None = None
     failure_repeats: int = 0  # of those, the last ones in a row that failed for ``failure``
     unplaced: str | None = None  # why no host takes its VM now (the last Skipped(no_host)); None once placed
+    hibernated_vm: str | None = None  # the VM a hibernation saved (its host holds the snapshot and address)
 
 
 class KeyState(msgspec.Struct, omit_defaults=True):
@@ -227,7 +228,7 @@ def fold(s: KeyState, d: Decision) -> KeyState:
                 c.vm_id, c.host, c.bound, c.ip, c.vnc_port = vm_id, host, True, ip, vnc
                 c.phase = "Running"
                 c.hibernated = False
-                c.snapshot = c.snapshot_host = None
+                c.snapshot = c.snapshot_host = c.hibernated_vm = None
                 c.failures, c.failure, c.failure_repeats = 0, None, 0
         case DeleteClaimed(fence=f):
             if (c := _cur_for(s, f)) is not None:
@@ -260,6 +261,7 @@ def fold(s: KeyState, d: Decision) -> KeyState:
             s.vms.pop(vm_id, None)
             if (c := _cur_for(s, f)) is not None:
                 c.hibernated, c.snapshot, c.snapshot_host = True, snap, host
+                c.hibernated_vm = vm_id
                 c.bound, c.ready, c.vm_id = False, False, None
         case Restarting(fence=f, restart_count=count):
             if (c := _cur_for(s, f)) is not None:

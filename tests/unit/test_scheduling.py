@@ -163,3 +163,81 @@ def test_a_virtual_machine_honours_its_host_selector_and_names_an_unknown_host()
     assert d2.commands("create") == []
     (why,) = _events(out, "FailedPlacement")
     assert "host host-z is not a live vmfence host" in why
+
+
+# ---------------------------------------------------- a force-deleted pod on a dead host (rule 12)
+
+
+def _on(host: str) -> Spec:
+    return Spec(node=f"vmfence-{host}")
+
+
+def test_after_a_force_delete_the_successor_starts_elsewhere_while_the_dead_hosts_remove_waits() -> None:
+    d = Driver(env=ENV)
+    first = d.run_up("u1", _on("host-a"))
+    d.env = DecideEnv(hosts=[B])  # host-a's agent is dead; the operator force-deleted the pod
+    out = d.admit("u2", _on("host-b"))  # the StatefulSet's replacement, scheduled to host-b
+    (remove,) = d.commands("remove")
+    assert (remove.vm_id, remove.host, remove.fence.uid) == (first.vm_id, "host-a", "u1")
+    (create,) = d.commands("create")
+    assert create.host == "host-b" and create.fence.uid == "u2"
+    assert [s.detail for s in of(out, Skipped) if s.reason == "stranded"] == [first.vm_id]
+    d.answer(create, ip="10.0.0.7")
+    d.env = ENV  # host-a's agent returns and answers the queued remove: the predecessor's VM goes
+    d.answer(remove)
+    assert list(d.state.vms) == [create.vm_id]
+    report = audit(d.log, final=True)
+    assert report.clean, report.violations
+
+
+def test_a_predecessors_removal_on_a_live_host_is_always_waited_for() -> None:
+    d = Driver(env=ENV)
+    d.run_up("u1", _on("host-a"))
+    out = d.admit("u2", _on("host-b"))
+    assert d.commands("create") == [] and not [s for s in of(out, Skipped) if s.reason == "stranded"]
+    (remove,) = d.commands("remove")
+    d.answer(remove)
+    (create,) = d.commands("create")
+    assert create.host == "host-b"
+
+
+def test_the_audit_still_flags_a_vm_placed_beside_one_not_declared_stranded() -> None:
+    d = Driver(env=ENV)
+    d.run_up("u1", _on("host-a"))
+    d.env = DecideEnv(hosts=[B])
+    d.admit("u2", _on("host-b"))
+    log = [LogEntry(e.key, e.n, [x for x in e.decisions if not (isinstance(x, Skipped) and x.reason == "stranded")])
+           for e in d.log]
+    assert "two_vms_for_key" in {v.rule for v in audit(log, final=False).violations}
+
+
+# ------------------------------------------------------ a hibernated incarnation that ends (rule 9)
+
+
+def _hibernated(d: Driver) -> str:
+    create = d.run_up("u1", _on("host-a"))
+    d.feed(Observed(KEY, "u1", d.next_rv(), spec=Spec(node="vmfence-host-a", hibernate=True)))
+    (hib,) = d.commands("hibernate")
+    d.answer(hib, snapshot="/snapshots/u1.mig")
+    assert d.state.cur is not None and d.state.cur.hibernated
+    return create.vm_id
+
+
+def test_deleting_a_hibernated_pod_removes_its_saved_vm_before_the_object_goes() -> None:
+    d = Driver(env=ENV)
+    vm = _hibernated(d)
+    d.feed(Observed(KEY, "u1", d.next_rv(), deleting=True, spec=Spec(node="vmfence-host-a", hibernate=True)))
+    (remove,) = d.commands("remove")
+    assert (remove.vm_id, remove.host, remove.fence.uid) == (vm, "host-a", "u1")
+    assert d.writes("delete") == [], "the object went before its snapshot and address were collected"
+    d.answer(remove)
+    assert d.writes("delete")
+    assert audit(d.log, final=False).clean
+
+
+def test_a_superseded_hibernated_incarnation_has_its_saved_vm_removed() -> None:
+    d = Driver(env=ENV)
+    vm = _hibernated(d)
+    d.admit("u2", _on("host-b"))
+    removes = [c for c in d.commands("remove") if c.vm_id == vm]
+    assert [(c.host, c.fence.uid) for c in removes] == [("host-a", "u1")]
