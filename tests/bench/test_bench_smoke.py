@@ -21,13 +21,15 @@ VM_FIELDS = (
 )  # fmt: skip
 FIGURE_FIELDS: dict[str, tuple[str, ...]] = {
     "decisions": ("decisions_per_s", "baseline_raw_async_publish_per_s", "ratio_to_raw_async_publish"),
-    "pods": ("to_running_s", "delete_to_zero_vms_s", "baseline_api_create_s", "baseline_api_delete_s"),
+    "pods": ("scale_ratio",),
     "replay": ("replay_file_entries_per_s", "replay_js_entries_per_s", "raw_typed_decode_entries_per_s",
                "file_ratio_to_raw_decode"),
     "memory": ("bytes_per_idle_key", "rss_empty_mib", "rss_loaded_mib", "python_deep_bytes_per_key"),
     "catchup": ("ready_with_snapshot_s", "ready_without_snapshot_s", "python_import_floor_s", "raw_log_read_s"),
 }
 LOAD_FIELDS = ("to_bound_p50_s", "to_bound_p99_s", "bound_to_status_p99_s", "to_running_p99_s")
+SIZE_FIELDS = ("to_running_s", "pods_per_s", "delete_to_zero_s", "entries_per_pod", "decisions_per_pod")
+COMPONENTS = ("apiserver", "watcher", "agent", "reconciler", "nats")
 
 
 def vmfence_json(*args: str, timeout: float) -> dict[str, Any]:
@@ -57,18 +59,31 @@ def test_bench_vm_sim() -> None:
     assert r["accel"] == "sim" and r["count"] == 3
 
 
+@pytest.mark.timeout(420)
 def test_bench_all_smoke() -> None:
-    r = vmfence_json("bench", "all", "--size", "smoke", "--pods", "60", timeout=120)
+    r = vmfence_json("bench", "all", "--size", "smoke", timeout=400)
     figs = r["figures"]
     for name, fields in FIGURE_FIELDS.items():
         for f in fields:
             assert is_number(figs[name].get(f)), (name, f, figs[name].get(f))
         assert figs[name]["command"].startswith("vmfence bench all")
-        assert "target" in figs[name]
+        assert "target" in figs[name] or "targets" in figs[name]
     loads = figs["latency"]["loads"]
     assert [x["offered_per_s"] for x in loads] == [50]
     for f in LOAD_FIELDS:
         assert is_number(loads[0][f]), (f, loads[0][f])
+    # the throughput figures: one process per component, CPU per pod by component beside the
+    # bare API server's CPU per create, at two sizes (their ratio is the growth with the fleet)
+    sizes = figs["pods"]["sizes"]
+    assert [x["pods"] for x in sizes] == [40, 120]
+    for x in [*sizes, loads[0]]:
+        cpu = x["cpu_ms_per_pod"]
+        assert all(is_number(cpu[c]) and cpu[c] > 0 for c in COMPONENTS), cpu
+        assert cpu["total"] == pytest.approx(sum(cpu[c] for c in COMPONENTS), abs=0.01)
+    for x in sizes:
+        assert all(is_number(x[f]) for f in SIZE_FIELDS), x
+    assert is_number(figs["pods"]["baseline_bare_api"][0]["apiserver_cpu_ms_per_create"])
+    assert is_number(r["fleet"]["raw_publish_per_s"]["async"])
     assert figs["replay"]["audit_clean"] is True
     assert r["machine"]["cpus"] >= 1
 

@@ -88,8 +88,9 @@ class CpuMeter:
 class FleetBench:
     """Processes: nats-server (one node), apiserver, watcher, two sim agents, two reconcilers."""
 
-    def __init__(self, size: dict[str, Any], tmp: str) -> None:
+    def __init__(self, size: dict[str, Any], tmp: str, profile_dir: str | None = None) -> None:
         self.size = size
+        self.profile_dir = profile_dir  # py-spy (collapsed stacks) of every Python component per pods run
         self.dir = Path(tmp) / "fleet"
         self.procs: dict[str, Proc] = {}
         self.nats: Any = None
@@ -236,6 +237,32 @@ class FleetBench:
             await asyncio.sleep(0.1)
         return issued, time.time() - t0
 
+    def _profile(self, tag: str) -> list[Any]:
+        import subprocess
+
+        if not self.profile_dir:
+            return []
+        os.makedirs(self.profile_dir, exist_ok=True)
+        spies = []
+        for name, pid in self.pids().items():
+            if name in ("nats", "harness"):
+                continue
+            out = os.path.join(self.profile_dir, f"{tag}-{name}.txt")
+            spies.append(subprocess.Popen(
+                ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "200", "--nonblocking", "--gil",
+                 "--output", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))  # fmt: skip
+        return spies
+
+    @staticmethod
+    async def _stop_profile(spies: list[Any]) -> None:
+        import signal
+
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)
+        for spy in spies:
+            await asyncio.to_thread(spy.wait, 30)
+
     # ------------------------------------------------------------------------------ figures
     async def pods(self, n: int) -> dict[str, Any]:
         """n pods created as fast as the client can, to all Running, then deleted to zero VMs;
@@ -244,6 +271,7 @@ class FleetBench:
         js, subjects = self.bus.js, self.subjects
         names = [f"pod{n}-{i}" for i in range(n)]
         start_seq = await log_last_seq(js, subjects) + 1
+        spies = self._profile(f"pods{n}")
         meter = CpuMeter(self.pids)
         meter.start()
         t0 = time.time()
@@ -256,6 +284,7 @@ class FleetBench:
         meter.start()
         issued, to_zero = await self.delete_all_and_wait(names, 120 + n / 10)
         down = meter.stop()
+        await self._stop_profile(spies)
         both = {k: up.get(k, 0.0) + down.get(k, 0.0) for k in up.keys() | down.keys()}
         return {
             "pods": n,
@@ -298,12 +327,13 @@ class FleetBench:
         spent = meter.stop()
         end_seq = await log_last_seq(js, subjects)
         bound = await bound_times(js, subjects, start_seq, end_seq)
-        to_bound, total = [], []
+        to_bound, bound_to_status, total = [], [], []
         for name in names:
-            t1 = bound.get(f"{NS}/{name}")
-            total.append(self.tracker.running_at[name] - created[name])
+            t1, t2 = bound.get(f"{NS}/{name}"), self.tracker.running_at[name]
+            total.append(t2 - created[name])
             if t1 is not None:
                 to_bound.append(t1 - created[name])
+                bound_to_status.append(t2 - t1)
         await self.delete_all_and_wait(names, 120 + n / 20)
         return {
             "offered_per_s": rate,
@@ -311,6 +341,8 @@ class FleetBench:
             "achieved_create_per_s": round(n / offered_s, 1) if offered_s > 0 else None,
             "to_bound_p50_s": r4(pct(to_bound, 50)),
             "to_bound_p99_s": r4(pct(to_bound, 99)),
+            "bound_to_status_p50_s": r4(pct(bound_to_status, 50)),
+            "bound_to_status_p99_s": r4(pct(bound_to_status, 99)),
             "to_running_p50_s": r4(pct(total, 50)),
             "to_running_p99_s": r4(pct(total, 99)),
             "bound_seen": len(to_bound),
@@ -380,7 +412,7 @@ async def bare_api_baseline(n: int, concurrency: int, tmp: str) -> dict[str, Any
 
 
 async def run_fleet(size: dict[str, Any], sizes: list[int], loads: list[int], seconds: float, tmp: str,
-                    say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+                    say: Callable[[str], None] = lambda s: None, profile_dir: str | None = None) -> dict[str, Any]:
     """The throughput figures (issue 14): pods at each size, latency at each load, baselines."""
     from services.testbed.bench.command import raw_publish_rates
 
@@ -389,7 +421,7 @@ async def run_fleet(size: dict[str, Any], sizes: list[int], loads: list[int], se
     )}
     say("baseline: bare API server")
     out["bare_api"] = [await bare_api_baseline(n, size["create_concurrency"], tmp) for n in sorted(set(sizes))]
-    async with FleetBench(size, tmp) as fleet:
+    async with FleetBench(size, tmp, profile_dir) as fleet:
         say("baseline: raw publish")
         sync_rate, async_rate = await raw_publish_rates(fleet.bus, size["raw_n"])
         out["raw_publish_per_s"] = {"sync": round(sync_rate, 1), "async": round(async_rate, 1)}
@@ -416,7 +448,8 @@ def main() -> None:  # pragma: no cover - manual runs: python -m services.testbe
     sizes = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "200").split(",")]
     loads = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "50").split(",")]
     tmp = os.environ.get("TMPDIR", "/tmp") + f"/vmfence-fleet-{os.getpid()}"
-    res = run_main(run_fleet(SIZES["smoke"], sizes, loads, 5.0, tmp, say=lambda s: print(s, file=sys.stderr)))
+    res = run_main(run_fleet(SIZES["smoke"], sizes, loads, 5.0, tmp, say=lambda s: print(s, file=sys.stderr),
+                             profile_dir=os.environ.get("VMFENCE_BENCH_PROFILE")))
     print(json.dumps(res, indent=2))
 
 

@@ -8,9 +8,11 @@ processes (``LocalStack``), pods created and watched with kubernetes-asyncio. Si
 
 Figures:
   decisions   full-stack decisions/s (pod create -> Running) vs raw async JetStream publish
-  latency     pod created -> Bound appended -> status Running, p50/p99 at fixed offered loads
-  pods        N pods to Running, then deleted to zero VMs, vs the same creates/deletes on a bare
-              API server
+  latency     pod created -> Bound appended -> status Running, p50/p99 at fixed offered loads, and
+              CPU per pod by component (one process per component: ``bench/fleet.py``)
+  pods        N pods to Running, then deleted to zero VMs, at each size, CPU per pod by component
+              and its growth with the fleet (``scale_ratio``), vs the same creates/deletes on a bare
+              API server process and its CPU per create (one process per component)
   replay      `vmfence replay --file` and from JetStream vs raw msgspec decoding of the same file
   memory      reconciler RSS per idle key above an empty reconciler (keys filled in waves), and after a burst
   catchup     reconciler restart to ready with and without its snapshot vs a raw log read
@@ -50,11 +52,12 @@ VMFENCE = [sys.executable, "-m", "services.cli"]
 
 SIZES: dict[str, dict[str, Any]] = {
     "smoke": {
-        "loads": [50], "load_seconds": 2.0, "pods": 200, "mem_keys": 2000,
+        "loads": [50], "load_seconds": 2.0, "pods": 60, "fleet_pods": [40, 120], "mem_keys": 2000,
         "catchup_decisions": 5000, "raw_n": 5000, "create_concurrency": 32,
     },
     "full": {
-        "loads": [50, 200, 1000], "load_seconds": 5.0, "pods": 10000, "mem_keys": 100000,
+        "loads": [50, 200, 1000], "load_seconds": 5.0, "pods": 10000, "fleet_pods": [1000, 10000],
+        "mem_keys": 100000,
         "catchup_decisions": 100000, "raw_n": 20000, "create_concurrency": 64,
     },
 }
@@ -567,23 +570,49 @@ async def run_all(
     figs: dict[str, Any] = out["figures"]
     tmp = tempfile.mkdtemp(prefix="vmfence-benchall-")
     try:
-        if {"decisions", "latency", "pods", "replay"} & set(only):
+        if {"latency", "pods"} & set(only):
+            from services.testbed.bench.fleet import run_fleet
+
             t_fig = time.perf_counter()
-            base = await _api_only_baseline(n, sz["create_concurrency"]) if "pods" in only else None
+            sizes = [pods] if pods else sz["fleet_pods"]
+            fleet = await run_fleet(sz, sizes if "pods" in only else [], sz["loads"] if "latency" in only else [],
+                                    sz["load_seconds"], os.path.join(tmp, "fleet"))
+            out["fleet"] = {"layout": fleet["layout"], "raw_publish_per_s": fleet["raw_publish_per_s"],
+                            "seconds": round(time.perf_counter() - t_fig, 1)}
+            if "latency" in only:
+                at200 = next((x for x in fleet["latency"] if x["offered_per_s"] == 200), None)
+                figs["latency"] = {
+                    "loads": fleet["latency"],
+                    "target": "pod-to-bound p99 < 0.1 s at 200 pods/s",
+                    "met": None if at200 is None else (at200["to_bound_p99_s"] or 1e9) < 0.1,
+                    "command": f"{cmd} --only latency",
+                }
+            if "pods" in only:
+                runs = fleet["pods"]
+                largest = runs[-1]
+                figs["pods"] = {
+                    "sizes": runs,
+                    "baseline_bare_api": fleet["bare_api"],
+                    "scale_ratio": fleet.get("scale_ratio"),
+                    "targets": {
+                        "to_running_s": "10 000 pods Running in < 60 s, deleted to zero in < 60 s",
+                        "cpu_ms_per_pod": "<= 10 ms summed over every process of the stack",
+                        "scale_ratio": "CPU per pod at the largest size <= 1.2 x at the smallest",
+                    },
+                    "met": {
+                        "to_running_s": (largest["to_running_s"] < 60 and largest["delete_to_zero_s"] < 60)
+                        if largest["pods"] >= 10000 else None,
+                        "cpu_ms_per_pod": largest["cpu_ms_per_pod"]["total"] <= 10,
+                        "scale_ratio": None if fleet.get("scale_ratio") is None else fleet["scale_ratio"] <= 1.2,
+                    },
+                    "command": f"{cmd} --only pods",
+                }
+        if {"decisions", "replay"} & set(only):
+            t_fig = time.perf_counter()
             out["sim_persist"] = sim_persist
             async with StackBench(sz, n, tmp, sim_persist=sim_persist) as sb:
                 sync_rate, async_rate = await sb.raw_publish()
-                if "latency" in only:
-                    loads = [await sb.latency(rate) for rate in sz["loads"]]
-                    at200 = next((x for x in loads if x["offered_per_s"] == 200), None)
-                    figs["latency"] = {
-                        "loads": loads,
-                        "target": "pod-to-bound p99 < 0.1 s at 200 pods/s",
-                        "met": None if at200 is None else (at200["to_bound_p99_s"] or 1e9) < 0.1,
-                        "command": f"{cmd} --only latency",
-                    }
-                # replay needs a log: without the latency loads, the N-pod run writes it
-                wants_run = bool({"decisions", "pods"} & set(only)) or ("replay" in only and "latency" not in only)
+                wants_run = True
                 run = await sb.pods_run() if wants_run else None
                 if run is not None and "decisions" in only:
                     figs["decisions"] = {
@@ -597,16 +626,6 @@ async def run_all(
                         "target": ">= 0.5 x raw async publish",
                         "met": run["decisions_per_s"] / async_rate >= 0.5,
                         "command": f"{cmd} --only decisions",
-                    }
-                if run is not None and "pods" in only:
-                    assert base is not None
-                    figs["pods"] = {
-                        **{k: v for k, v in run.items() if k not in ("decisions_per_s",)},
-                        "baseline_api_create_s": round(base["create_s"], 3),
-                        "baseline_api_delete_s": round(base["delete_s"], 3),
-                        "target": "10 000 pods Running in < 60 s",
-                        "met": run["to_running_s"] < 60 if n >= 10000 else None,
-                        "command": f"{cmd} --only pods",
                     }
                 if "replay" in only:
                     rep = await replay_figure(sb.stack, tmp)
