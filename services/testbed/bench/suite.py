@@ -261,46 +261,6 @@ async def count_decisions(js: Any, subjects: Any, start_seq: int) -> tuple[int, 
 # ------------------------------------------------------------------------------- the stack figures
 
 
-async def _api_only_baseline(n: int, concurrency: int) -> dict[str, float]:
-    """The same client creating then deleting (grace 0) n pods on a bare development API server:
-    the floor under "n pods to Running" and "deleted to zero VMs"."""
-    from kubernetes_asyncio import client, config
-
-    from services.apiserver.server import ApiServer, ApiServerConfig, write_kubeconfig
-
-    tmp = tempfile.mkdtemp(prefix="vmfence-benchapi-")
-    server = ApiServer(ApiServerConfig(db_path=None))
-    await server.start()
-    try:
-        cfg = client.Configuration()
-        await config.load_kube_config(
-            config_file=write_kubeconfig(server.url, os.path.join(tmp, "kubeconfig")), client_configuration=cfg
-        )
-        async with client.ApiClient(cfg) as api:
-            core = client.CoreV1Api(api)
-
-            async def create(i: int) -> None:
-                resp = await core.create_namespaced_pod(NS, _pod(f"base-{i}"), _preload_content=False)
-                await resp.read()
-
-            async def delete(i: int) -> None:
-                resp = await core.delete_namespaced_pod(
-                    f"base-{i}", NS, grace_period_seconds=0, _preload_content=False
-                )
-                await resp.read()
-
-            t0 = time.perf_counter()
-            await _bounded(n, concurrency, create)
-            create_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            await _bounded(n, concurrency, delete)
-            delete_s = time.perf_counter() - t0
-    finally:
-        await server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
-    return {"create_s": create_s, "delete_s": delete_s}
-
-
 class StackBench:
     """One LocalStack (sim runtime) for the decisions, latency, pods and replay figures."""
 
