@@ -218,6 +218,8 @@ def parse_quantity(field: str, value: object) -> Fraction:
     """A non-negative Kubernetes quantity (``resource.Quantity``'s forms) as an exact fraction."""
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 10**18:
         return Fraction(value)
+    if isinstance(value, float) and 0 <= value < 1e18:
+        value = repr(value)  # a YAML number the development server kept (a real one stores the string)
     text = value.strip() if isinstance(value, str) else None
     if text is not None and (m := _QUANTITY.fullmatch(text)):
         whole, frac, suffix, exp = m.group(1), m.group(2) or "", m.group(3) or "", m.group(4)
