@@ -183,6 +183,7 @@ class AgentConfig(ServiceSettings):
 
     def __post_init__(self) -> None:
         """0 for --cpus / --memory-mib: derived from the host (the heartbeat sends these numbers)."""
+        super().__post_init__()
         if self.cpus == 0:
             object.__setattr__(self, "cpus", max(1, host_cpus() - self.reserve_cpus))
         if self.memory_mib == 0:

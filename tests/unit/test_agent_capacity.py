@@ -28,3 +28,11 @@ def test_meminfo_is_read_hostile_safe(tmp_path: Path) -> None:
         bad.write_text(text, encoding="latin-1")
         assert host_memory_mib(str(bad)) == 4096
     assert host_memory_mib(str(tmp_path / "missing")) == 4096
+
+
+def test_the_derivation_keeps_the_shared_settings_post_init(tmp_path: Path) -> None:
+    """AgentConfig's own __post_init__ runs the shared one first (a str NATS URL becomes the list
+    the checks expect: without it every AgentConfig(nats_url=...) failed its check)."""
+    cfg = AgentConfig(data_dir=str(tmp_path), nats_url="nats://127.0.0.1:4222")  # type: ignore[arg-type]
+    cfg.check()
+    assert cfg.cpus >= 1
