@@ -721,7 +721,9 @@ class Agent:
     @property
     def host_ip(self) -> str | None:
         """This host's address (the Node's InternalIP): --host-ip, else the pod network's gateway."""
-        return self.config.host_ip or self.network.gateway
+        if self.config.host_ip:
+            return self.config.host_ip
+        return self.network.gateway if self.network.taps else None  # the sim's pool is on no interface
 
     async def collect(self) -> None:
         """One collector pass (see services/agent/collect.py)."""

@@ -33,6 +33,7 @@ from aiohttp import web
 from . import openapi, tables
 from .errors import ApiError
 from .faults import Faults
+from .podlogs import KubeletClient, PodLogs
 from .resources import Registry, ResourceType
 from .selectors import field_selector, label_selector
 from .store import Obj, Store, Watcher
@@ -60,6 +61,11 @@ class ApiServerConfig:
     db_path: str | None = None
     watch_window: int = 1000
     bookmark_interval_s: float = 5.0
+    # pods/log is proxied to the node's kubelet endpoint with this client certificate; the kubelet
+    # CA checks the agents' serving certificates (services/apiserver/podlogs.py)
+    kubelet_client_cert: str | None = None
+    kubelet_client_key: str | None = None
+    kubelet_ca: str | None = None
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -534,6 +540,7 @@ def make_app(store: Store, faults: Faults, config: ApiServerConfig) -> web.Appli
     r.add_get("/api/", h.api_versions)
     r.add_get("/api/v1", h.resource_list)
     r.add_get("/api/v1/", h.resource_list)
+    PodLogs(store, KubeletClient(config.kubelet_client_cert, config.kubelet_client_key, config.kubelet_ca)).register(r)
     r.add_route("*", "/api/v1/{tail:.+}", h.core)
     r.add_get("/apis", h.api_groups)
     r.add_get("/apis/", h.api_groups)

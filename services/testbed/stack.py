@@ -242,6 +242,7 @@ class LocalStack:
     kube: Any = field(default=None, init=False)  # the KubeControlPlane this stack started, if any
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
     _agent_tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
+    kubelet_pki: Any = field(default=None, init=False)  # a KubeletPki: the agents' kubelet endpoints
     _lock: DirLock = field(init=False)
 
     def __post_init__(self) -> None:
@@ -261,6 +262,9 @@ class LocalStack:
             self._lock.clear_directory()
         private_dir(self.root)
         private_dir(self.root / "logs")
+        from services.testbed.kubeletpki import make_kubelet_pki  # imports kubecp, which imports this module
+
+        self.kubelet_pki = await asyncio.to_thread(make_kubelet_pki, self.root / "kubelet-pki")
         accounts, self.users = local_accounts(self.hosts)
         self.users.save(self.root / USERS_FILE)
         on_status("nats", "starting")
@@ -287,7 +291,10 @@ class LocalStack:
             on_status("kube", f"{self.kube.url} ({self.kube.timings['total_s']:.1f}s)")
         elif self.kubeconfig is None:
             on_status("apiserver", "starting")
-            self.apiserver = ApiServer(ApiServerConfig(db_path=None, watch_window=self.watch_window))
+            kp = self.kubelet_pki
+            self.apiserver = ApiServer(ApiServerConfig(
+                db_path=None, watch_window=self.watch_window, kubelet_client_cert=str(kp.client.cert),
+                kubelet_client_key=str(kp.client.key), kubelet_ca=str(kp.ca)))
             await self.apiserver.start()
             self.kubeconfig_path = write_kubeconfig(self.apiserver.url, str(self.root / "kubeconfig"))
             os.chmod(self.kubeconfig_path, PRIVATE_FILE)
@@ -347,6 +354,11 @@ class LocalStack:
         )
         if self.ack_wait_s:
             agent_cfg = dataclasses.replace(agent_cfg, ack_wait=self.ack_wait_s)
+        if self.kubelet_pki is not None:  # kubectl logs: the API server's kubelet client is the only one let in
+            kp = self.kubelet_pki
+            client_ca = self.kube.pki.ca.cert if self.kube is not None and self.kube.pki is not None else kp.ca
+            agent_cfg = dataclasses.replace(agent_cfg, kubelet_port=0, kubelet_tls_cert=str(kp.server.cert),
+                                            kubelet_tls_key=str(kp.server.key), kubelet_client_ca=str(client_ca))
         agent_cfg = agent_cfg.validate()
         if self.runtime == "qemu":  # pods may name the project's guest image: vmfence.io/image: guest
             await asyncio.to_thread(install_guest_image, agent_cfg.images, str(REPO_GUEST_IMAGE))
