@@ -194,6 +194,11 @@ class EffectRunner:
             case WriteRequested(write=w):
                 done: WriteDone = await self.gateway.write(key, w)
                 metrics.K8S_WRITES.labels(w.verb, done.outcome).inc()
+                if done.outcome == "failed" and w.verb != "event":  # (events log their own failure)
+                    # rewritten after a timer until it takes: say why each time (a 403 of a role the
+                    # chart forgot, a 422 of a body the real server refuses) — never a silent retry
+                    log.warning("kubernetes %s write failed: %s", w.verb, done.detail,
+                                extra={"key": str(key), "uid": w.fence.uid, "epoch": w.fence.epoch})
                 if w.verb != "event":
                     await self._outcome(key, done, f"{key}|{w.id}")
                 kind = f"write_{w.verb}"

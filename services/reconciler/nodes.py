@@ -81,8 +81,28 @@ def _ready(cur: JSON | None, status: str, reason: str, message: str) -> JSON:
     }
 
 
+# the conditions besides Ready a kubelet reports (a node lifecycle controller and kube-scheduler read
+# them: True would taint the node); a VM host's agent reports no pressure of its own
+_PRESSURE = (("MemoryPressure", "KubeletHasSufficientMemory", "the agent has sufficient memory available"),
+             ("DiskPressure", "KubeletHasNoDiskPressure", "the agent has no disk pressure"),
+             ("PIDPressure", "KubeletHasSufficientPID", "the agent has sufficient PID available"))
+
+
+def _pressure(cur: JSON | None, ctype: str, reason: str, message: str) -> JSON:
+    c = _ready(cur, "False", reason, message)
+    c["type"] = ctype
+    prev = next((x for x in ((cur or {}).get("status") or {}).get("conditions") or [] if x.get("type") == ctype), None)
+    if prev and prev.get("status") == "False" and prev.get("lastTransitionTime"):
+        c["lastTransitionTime"] = prev["lastTransitionTime"]
+    return c
+
+
 def _status(hb: HostHeartbeat, cur: JSON | None, fresh: bool, age_s: float) -> JSON:
-    cap = {"cpu": str(hb.cpus_total), "memory": f"{hb.memory_total_mib}Mi", "pods": str(MAX_PODS)}
+    """Capacity: the host's own CPUs and memory; allocatable: what the agent offers VMs (capacity
+    minus its reserve), which kube-scheduler fits pods' requests against."""
+    alloc = {"cpu": str(hb.cpus_total), "memory": f"{hb.memory_total_mib}Mi", "pods": str(MAX_PODS)}
+    cap = {"cpu": str(max(hb.cpus_total, hb.cpus_capacity or 0)),
+           "memory": f"{max(hb.memory_total_mib, hb.memory_capacity_mib or 0)}Mi", "pods": str(MAX_PODS)}
     if fresh:
         ready = _ready(cur, "True", "HostHeartbeatFresh", f"agent {hb.host} heartbeat {age_s:.1f}s ago")
     else:
@@ -92,8 +112,8 @@ def _status(hb: HostHeartbeat, cur: JSON | None, fresh: bool, age_s: float) -> J
         addresses.insert(0, {"type": "InternalIP", "address": hb.ip})
     out: JSON = {
         "capacity": cap,
-        "allocatable": dict(cap),
-        "conditions": [ready],
+        "allocatable": alloc,
+        "conditions": [*(_pressure(cur, t, r, m) for t, r, m in _PRESSURE), ready],
         "addresses": addresses,
         "nodeInfo": {
             "kubeletVersion": KUBELET_VERSION,

@@ -663,6 +663,10 @@ class HostHeartbeat(msgspec.Struct, frozen=True, omit_defaults=True):
     # VMs have no address reachable from outside), "none"; None from an agent before networking
     network: str | None = None
     kubelet_port: int | None = None  # the agent's kubelet endpoint (Node status.daemonEndpoints), None: not served
+    # the host's own CPUs and memory before the agent's reserve (the Node's capacity; ``cpus_total``
+    # and ``memory_total_mib`` are what VMs may use, its allocatable). None: an older agent (= totals)
+    cpus_capacity: int | None = None
+    memory_capacity_mib: int | None = None
     v: int = SCHEMA_VERSION
 
 

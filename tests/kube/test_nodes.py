@@ -78,3 +78,19 @@ async def test_one_failing_host_does_not_block_others(
     await sync_nodes(api, [(hb("host-a"), 1.0), (hb("host-c"), 1.0)], stale_after_s=15.0)
     assert ready(await node(core, "vmfence-host-a"))["status"] == "True"
     assert ready(await node(core, "vmfence-host-c"))["status"] == "True"
+
+
+async def test_capacity_is_the_hosts_and_allocatable_what_the_agent_offers(
+    api: client.ApiClient, core: client.CoreV1Api
+) -> None:
+    """A kubelet's split: capacity the host's own (before the agent's reserve), allocatable the rest;
+    the pressure conditions a node lifecycle controller reads are present and False."""
+    await sync_nodes(api, [(hb("host-c", cpus_total=2, memory_total_mib=23000, cpus_capacity=2,
+                               memory_capacity_mib=23512), 1.0)], stale_after_s=15.0)
+    n = await node(core, "vmfence-host-c")
+    assert n["status"]["capacity"] == {"cpu": "2", "memory": "23512Mi", "pods": "110"}
+    assert n["status"]["allocatable"] == {"cpu": "2", "memory": "23000Mi", "pods": "110"}
+    conds = {c["type"]: c for c in n["status"]["conditions"]}
+    assert {t: conds[t]["status"] for t in ("MemoryPressure", "DiskPressure", "PIDPressure")} == \
+        {"MemoryPressure": "False", "DiskPressure": "False", "PIDPressure": "False"}
+    assert all(c.get("reason") and c.get("lastHeartbeatTime") for c in conds.values())
