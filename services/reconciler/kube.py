@@ -43,9 +43,10 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import aiohttp
-from kubernetes_asyncio import client, config
+from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from shared import kubeclient
 from shared.fence.keys import Key
 from shared.fence.podspec import VM_GROUP, VM_PLURAL, VM_VERSION, spec_of_pod, spec_of_vm
 from shared.fence.schema import ConfirmedRead, Fence, KubeWrite, PodStatusIntent, Spec, WriteDone
@@ -115,12 +116,7 @@ def _meta(obj: JSON) -> JSON:
 
 async def load_api_client(kubeconfig: str | None) -> client.ApiClient:
     """An ApiClient from a kubeconfig file, or from the in-cluster service account when None."""
-    cfg = client.Configuration()
-    if kubeconfig:
-        await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-    else:
-        config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-    return client.ApiClient(configuration=cfg)
+    return await kubeclient.load_api_client(kubeconfig)
 
 
 # ----------------------------------------------------------------------------- status building

@@ -19,12 +19,13 @@ import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kubernetes_asyncio import client, config
+from kubernetes_asyncio import client
 
 from shared.bus.connect import Bus, NatsAuthError
 from shared.bus.wire import META_PARTITIONS
 from shared.config import EXIT_CONFIG, ConfigError, KubeSettings, ServiceSettings, config_error, load, setting, start
 from shared.httpserve import HealthServer
+from shared.kubeclient import load_api_client
 
 from .watch import WATCH_TIMEOUT_S, Watcher
 
@@ -49,12 +50,7 @@ def parse(argv: list[str] | None = None) -> WatcherConfig:
 
 
 async def _api_client(kubeconfig: str | None) -> client.ApiClient:
-    cfg = client.Configuration()
-    if kubeconfig:
-        await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-    else:
-        config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-    return client.ApiClient(configuration=cfg)
+    return await load_api_client(kubeconfig)
 
 
 async def _check_partitions(bus: Bus) -> None:
