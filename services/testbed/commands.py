@@ -59,6 +59,10 @@ def _bench_vm(args: argparse.Namespace) -> int:
 
 
 def _bench_all(args: argparse.Namespace) -> int:
+    if args.control_plane == "kube":
+        from services.testbed.bench.kube import bench_all_kube
+
+        return bench_all_kube(args)
     from services.testbed.bench.suite import bench_all
 
     return bench_all(args)
@@ -96,6 +100,9 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     a.add_argument("--size", choices=sorted(SIZES), default="smoke", help="smoke (CI), or larger runs")
     a.add_argument("--only", default=",".join(ALL_FIGURES), help=f"comma-separated subset of {','.join(ALL_FIGURES)}")
     a.add_argument("--pods", type=int, help="override the size's pod count (pods/decisions figures)")
+    a.add_argument("--control-plane", choices=["dev", "kube"], default="dev",
+                   help="the development API server (dev), or the real control plane of `make kube` "
+                        "(kube: the pods and latency figures only, beside a bare real API server)")
     a.add_argument("--sim-persist", action="store_true",
                    help="keep the sim driver's per-op host file (O(ops) per op; see docs/benchmarks.md)")
     a.add_argument("--json", action="store_true", help="one JSON object on stdout")

@@ -130,29 +130,22 @@ class FleetBench:
             await provision(prov.js, self.subjects, StreamsConfig(partitions=PARTITIONS))
         finally:
             await prov.close()
-        self.kubeconfig = str(self.dir / "kubeconfig")
-        port = free_port()
-        self.procs["apiserver"] = Proc(
-            "apiserver", "apiserver",
-            _svc("apiserver", "--port", str(port), "--kubeconfig-out", self.kubeconfig), port, logs / "apiserver.log",
-        )  # fmt: skip
-        self.procs["apiserver"].start()
-        if not await self.procs["apiserver"].wait_ready(READY_S):
-            raise RuntimeError(f"apiserver not ready:\n{self.procs['apiserver'].tail()}")
+        await self._start_api(logs)
         for host in HOSTS:
             port = free_port()
             self.procs[f"agent-{host}"] = Proc(
                 f"agent-{host}", "agent",
                 _svc("agent", "--nats-url", url, "--host", host, "--runtime", "sim",
                      "--data-dir", str(self.dir / "agents" / host), "--http-host", "127.0.0.1",
-                     "--http-port", str(port), "--partitions", str(PARTITIONS), "--cpus", "100000",
+                     "--http-port", str(port), "--partitions", str(PARTITIONS), "--cpus", "4096",
                      "--memory-mib", str(10**8), "--vnc-range", "none", "--network", "user"),
                 port, logs / f"agent-{host}.log", env=users.env(agent_user(host)),
             )  # fmt: skip
         port = free_port()
         self.procs["watcher"] = Proc(
             "watcher", "watcher",
-            _svc("watcher", "--nats-url", url, "--kubeconfig", self.kubeconfig, "--partitions", str(PARTITIONS),
+            _svc("watcher", "--nats-url", url, "--kubeconfig", self.kubeconfig_of("watcher"),
+                 "--partitions", str(PARTITIONS),
                  "--namespace", NS, "--http-host", "127.0.0.1", "--http-port", str(port)),
             port, logs / "watcher.log", env=users.env("watcher"),
         )  # fmt: skip
@@ -161,7 +154,7 @@ class FleetBench:
             name = f"reconciler-{i}"
             self.procs[name] = Proc(
                 name, "reconciler",
-                _svc("reconciler", "--nats-url", url, "--kubeconfig", self.kubeconfig, "--id", name,
+                _svc("reconciler", "--nats-url", url, "--kubeconfig", self.kubeconfig_of("reconciler"), "--id", name,
                      "--partitions", str(PARTITIONS), "--data-dir", str(self.dir / "reconcilers"),
                      "--http-host", "127.0.0.1", "--http-port", str(port)),
                 port, logs / f"{name}.log", env=users.env("reconciler"),
@@ -181,6 +174,28 @@ class FleetBench:
         await asyncio.wait_for(self.tracker.synced.wait(), 30)
         return self
 
+    async def _start_api(self, logs: Path) -> None:
+        """The API server the stack runs against: the development server as a process of its own
+        (bench/kube.py's subclass starts the real control plane instead)."""
+        from services.testbed.natsserver import free_port
+
+        self.kubeconfig = str(self.dir / "kubeconfig")
+        port = free_port()
+        self.procs["apiserver"] = Proc(
+            "apiserver", "apiserver",
+            _svc("apiserver", "--port", str(port), "--kubeconfig-out", self.kubeconfig), port, logs / "apiserver.log",
+        )  # fmt: skip
+        self.procs["apiserver"].start()
+        if not await self.procs["apiserver"].wait_ready(READY_S):
+            raise RuntimeError(f"apiserver not ready:\n{self.procs['apiserver'].tail()}")
+
+    def kubeconfig_of(self, component: str) -> str:
+        """The kubeconfig a service runs with (the harness's own on the development server)."""
+        return self.kubeconfig
+
+    async def _stop_api(self) -> None:
+        """Nothing beyond the processes: the development server is one of them."""
+
     async def __aexit__(self, *exc: object) -> None:
         if self._tracker_task is not None:
             self._tracker_task.cancel()
@@ -193,6 +208,7 @@ class FleetBench:
         order = ["reconciler-1", "reconciler-2", "watcher", *(f"agent-{h}" for h in HOSTS), "apiserver"]
         for group in (order[:3], order[3:5], order[5:]):
             await asyncio.gather(*(self.procs[n].stop() for n in group if n in self.procs))
+        await self._stop_api()
         if self.nats is not None:
             await self.nats.stop()
 

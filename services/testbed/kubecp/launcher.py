@@ -144,6 +144,9 @@ class KubeControlPlane:
     bin_dir: Path = KUBE_BIN
     node_monitor_grace_s: int = NODE_MONITOR_GRACE_S
     extra_apiserver_args: tuple[str, ...] = ()
+    # False: etcd and kube-apiserver only (a benchmark's bare API server: no scheduler, no
+    # controllers; the default ServiceAccount that admission needs is created by start() itself)
+    controllers: bool = True
 
     pki: ClusterPki | None = field(default=None, init=False)
     url: str = field(default="", init=False)
@@ -217,6 +220,9 @@ class KubeControlPlane:
             "--service-account-signing-key-file", str(pki.sa_key),
             "--kubelet-client-certificate", str(pki.kubelet_client.cert),
             "--kubelet-client-key", str(pki.kubelet_client.key),
+            # a virtual Node's Hostname is its agent's host name, no DNS name: reach the agent's
+            # kubelet endpoint (kubectl logs) by its InternalIP
+            "--kubelet-preferred-address-types", "InternalIP,Hostname",
             "--requestheader-client-ca-file", str(pki.front_proxy_ca.cert),
             "--requestheader-allowed-names", "front-proxy-client",
             "--requestheader-username-headers", "X-Remote-User",
@@ -233,6 +239,15 @@ class KubeControlPlane:
         await self._wait(api, self._apiserver_ready, APISERVER_READY_S, "kube-apiserver /readyz")
         self.timings["apiserver_s"] = time.monotonic() - t
         write_private(self.admin_kubeconfig, kubeconfig_text(self.url, pki.ca_pem(), "vmfence-admin", cert=pki.admin))
+        if not self.controllers:
+            api_client = await self.admin_client()
+            try:
+                await client.CoreV1Api(api_client).create_namespaced_service_account(
+                    "default", {"metadata": {"name": "default"}}, _request_timeout=HTTP_TIMEOUT_S)
+            finally:
+                await api_client.close()
+            self.timings["total_s"] = time.monotonic() - t0
+            return
         t = time.monotonic()
         sched_kc = self._component_kubeconfig("kube-scheduler", pki.scheduler)
         cm_kc = self._component_kubeconfig("kube-controller-manager", pki.controller_manager)
@@ -377,6 +392,10 @@ class KubeControlPlane:
             p.popen.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 await asyncio.to_thread(p.popen.wait, KILL_WAIT_S)
+
+    def pids(self) -> dict[str, int]:
+        """name -> pid of every running process (etcd, kube-apiserver, …), for CPU accounting."""
+        return {n: p.popen.pid for n, p in self.procs.items() if p.popen is not None and p.popen.poll() is None}
 
     def alive(self) -> dict[str, bool]:
         return {n: p.popen is not None and p.popen.poll() is None for n, p in self.procs.items()}
