@@ -46,6 +46,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                    help="(--compose) these faults in order, then none: KIND:TARGET,... with KIND kill, partition or "
                         "pause and TARGET agent, nats, reconciler, watcher, apiserver or a service name "
                         "(default: seeded random faults for --minutes)")
+    p.add_argument("--project", default="vmfence-chaos",
+                   help="(--compose) the compose project name (its containers, volumes and networks)")
     p.add_argument("--fault-every", type=float, default=4.0,
                    help="(--compose) mean seconds between one fault's end and the next fault")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

@@ -90,13 +90,13 @@ def kind_of(service: str) -> str:
     return service
 
 
-def container(service: str) -> str:
+def container(service: str, project: str = PROJECT) -> str:
     """podman-compose's container name for a service of the project."""
-    return f"{PROJECT}_{service}_1"
+    return f"{project}_{service}_1"
 
 
-def network(name: str) -> str:
-    return f"{PROJECT}_{name}"
+def network(name: str, project: str = PROJECT) -> str:
+    return f"{project}_{name}"
 
 
 def podman_env() -> dict[str, str]:
@@ -140,26 +140,22 @@ async def run_cmd(argv: list[str], *, within_s: float = PODMAN_TIMEOUT_S, check:
     return rc, text
 
 
-async def podman(*args: str, within_s: float = PODMAN_TIMEOUT_S, check: bool = True) -> tuple[int, str]:
-    return await run_cmd(["podman", *args], within_s=within_s, check=check)
-
-
 # ----------------------------------------------------------------------------------- oracle
 
 
-def container_ids() -> dict[str, str]:
+def container_ids(project: str = PROJECT) -> dict[str, str]:
     """Full container id -> service, for the project's agents (ids survive restarts)."""
     import subprocess
 
     out = subprocess.run(
-        ["podman", "ps", "-a", "--no-trunc", "--filter", f"label=io.podman.compose.project={PROJECT}",
+        ["podman", "ps", "-a", "--no-trunc", "--filter", f"label=io.podman.compose.project={project}",
          "--format", "{{.ID}} {{.Names}}"],
         capture_output=True, text=True, timeout=PODMAN_TIMEOUT_S, env=podman_env(), check=True,
     ).stdout
     ids: dict[str, str] = {}
     for line in out.splitlines():
         cid, _, name = line.partition(" ")
-        service = name.removeprefix(f"{PROJECT}_").rsplit("_", 1)[0]
+        service = name.removeprefix(f"{project}_").rsplit("_", 1)[0]
         if service in AGENTS:
             ids[cid] = service
     return ids
@@ -261,17 +257,37 @@ class ComposeChaos(ProcessChaos):
     events: list[str] = field(default_factory=list, init=False)
     violations: list[str] = field(default_factory=list, init=False)
     takeovers: list[float] = field(default_factory=list, init=False)
+    commands: list[str] = field(default_factory=list, init=False)  # shapes of the commands run (self.shape)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.runtime = "qemu"
         self.plan = parse_plan(self.args.plan or "")
+        self.project = str(getattr(self.args, "project", None) or PROJECT)
         self.passwords = {u: secrets.token_urlsafe(18) for u in PASSWORD_VARS}
 
     # --------------------------------------------------------------------------- stack
+    def shape(self, argv: list[str]) -> str:
+        """A command as an operator types it: the repository's paths relative, the run's files as
+        $RUN, the console scripts by name (docs/operations.md shows these; a test compares)."""
+        words = ["podman-compose" if a == compose_binary() else a for a in argv]
+        if words[:3] == [sys.executable, "-m", "services.cli"]:
+            words = ["vmfence", *words[3:]]
+        return " ".join(w.replace(str(self.run_dir), "$RUN").replace(str(ROOT) + "/", "") for w in words)
+
+    async def sh(self, argv: list[str], **kw: Any) -> tuple[int, str]:
+        """run_cmd, and the command's shape in the run's command log."""
+        line = self.shape(argv)
+        if line not in self.commands:
+            self.commands.append(line)
+        return await run_cmd(argv, **kw)
+
+    async def podman(self, *args: str, **kw: Any) -> tuple[int, str]:
+        return await self.sh(["podman", *args], **kw)
+
     def _compose(self, *args: str) -> list[str]:
         return [compose_binary(), "--env-file", str(self.run_dir / "compose.env"), "-f", str(ROOT / "compose.yaml"),
-                "-f", str(self.run_dir / "override.yaml"), "-p", PROJECT, "--profile", "dev", *args]
+                "-f", str(self.run_dir / "override.yaml"), "-p", self.project, "--profile", "dev", *args]
 
     def _write_files(self) -> None:
         shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -296,15 +312,15 @@ class ComposeChaos(ProcessChaos):
         return f"localhost/vmfence-nats:{out.strip().rsplit('v', 1)[-1]}"
 
     async def _inspect(self, service: str) -> dict[str, Any]:
-        _, out = await podman("inspect", container(service))
+        _, out = await self.podman("inspect", container(service, self.project))
         info: list[dict[str, Any]] = json.loads(out)
         return info[0]
 
     async def _ip(self, service: str, net: str) -> str:
         nets = (await self._inspect(service))["NetworkSettings"]["Networks"]
-        ip = str((nets.get(network(net)) or {}).get("IPAddress") or "")
+        ip = str((nets.get(network(net, self.project)) or {}).get("IPAddress") or "")
         if not ip:
-            raise ComposeError(f"{service} has no address on {network(net)}")
+            raise ComposeError(f"{service} has no address on {network(net, self.project)}")
         return ip
 
     async def wait_healthy(self, service: str, within_s: float = HEALTHY_TIMEOUT_S) -> bool:
@@ -312,7 +328,7 @@ class ComposeChaos(ProcessChaos):
         machine has no systemd to schedule it)."""
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
-            rc, _ = await podman("healthcheck", "run", container(service), check=False)
+            rc, _ = await self.podman("healthcheck", "run", container(service, self.project), check=False)
             if rc == 0:
                 return True
             await asyncio.sleep(POLL_S)
@@ -326,20 +342,22 @@ class ComposeChaos(ProcessChaos):
 
         self._write_files()
         for var, image in self.images.items():
-            rc, _ = await podman("image", "exists", image, check=False)
+            rc, _ = await self.podman("image", "exists", image, check=False)
             if rc != 0:
                 raise ComposeError(f"image {image} ({var}) not built: make images")
-        await run_cmd(self._compose("down", "-v", "-t", "5"), within_s=COMPOSE_TIMEOUT_S, check=False)  # a leftover
+        await self.sh(self._compose("down", "-v", "-t", "5"), within_s=COMPOSE_TIMEOUT_S, check=False)  # a leftover
         self.say(f"podman-compose up ({self.images['VMFENCE_IMAGE']}, {self.images['VMFENCE_NATS_IMAGE']})")
         t0 = time.monotonic()
-        await run_cmd(self._compose("up", "-d"), within_s=COMPOSE_TIMEOUT_S)
+        await self.sh(self._compose("up", "-d"), within_s=COMPOSE_TIMEOUT_S)
         self.compose_up_seconds = round(time.monotonic() - t0, 1)
+        self.healthy_at: dict[str, float] = {}
         for s in SERVICES:
             if not await self.wait_healthy(s):
-                _, logs = await podman("logs", "--tail", "20", container(s), check=False)
+                _, logs = await self.podman("logs", "--tail", "20", container(s, self.project), check=False)
                 raise ComposeError(f"{s} not healthy within {HEALTHY_TIMEOUT_S:.0f}s:\n{logs[-2000:]}")
+            self.healthy_at[s] = round(time.monotonic() - t0, 1)
         self.healthy_seconds = round(time.monotonic() - t0, 1)
-        self.ids = await asyncio.to_thread(container_ids)
+        self.ids = await asyncio.to_thread(container_ids, self.project)
         self.nats_urls = [f"nats://{await self._ip(n, 'bus')}:4222" for n in NATS_NODES]
         self.api_url = f"http://{await self._ip('apiserver', 'kube')}:6443"
         kubeconfig = self.run_dir / "kubeconfig"
@@ -355,7 +373,6 @@ class ComposeChaos(ProcessChaos):
         # admin: it reads every consumer's lag and the lease holders
         self.bus = await Bus.open(self.nats_urls, name="vmfence-chaos-compose", subjects=self.subjects,
                                   auth=NatsAuth(user="admin", password=self.passwords["admin"]))
-        self.leases = await self.bus.js.key_value(self.subjects.kv_leases)
         cfg = client.Configuration()
         await config.load_kube_config(config_file=self.kubeconfig, client_configuration=cfg)
         self.api = client.ApiClient(cfg)
@@ -370,28 +387,39 @@ class ComposeChaos(ProcessChaos):
         if self.args.keep:
             return {"stack": f"kept: {' '.join(self._compose('down', '-v'))}"}
         for s in SERVICES:  # a paused container cannot be stopped
-            await podman("unpause", container(s), check=False)
-        rc, out = await run_cmd(self._compose("down", "-v", "-t", "10"), within_s=COMPOSE_TIMEOUT_S, check=False)
-        left = await asyncio.to_thread(container_ids) if rc == 0 else {}
+            await self.podman("unpause", container(s, self.project), check=False)
+        rc, out = await self.sh(self._compose("down", "-v", "-t", "10"), within_s=COMPOSE_TIMEOUT_S, check=False)
+        left = await asyncio.to_thread(container_ids, self.project) if rc == 0 else {}
         return {"compose_down_rc": rc, "containers_left": len(left)} | ({"compose_down": out[-500:]} if rc else {})
 
     # ---------------------------------------------------------------------------- faults
     async def lease_holders(self) -> dict[str, str]:
-        """partition -> owner id, from the leases bucket (the KV revision is the lease)."""
-        from nats.js.errors import NoKeysError
+        """lease key (a partition number or ``fleet``) -> owner id, from the leases bucket's
+        per-subject last messages (no KV watch: nats-py's keys() leaves a consumer behind per call).
+        Membership entries (``member.*``) are not leases."""
+        import nats.js.errors
 
         from shared.bus.leases import LeaseValue
 
+        bucket = self.subjects.kv_leases
+        stream = f"KV_{bucket}"
         out: dict[str, str] = {}
         try:
-            keys = await asyncio.wait_for(self.leases.keys(), 10)
-        except (NoKeysError, TimeoutError):
+            info = await asyncio.wait_for(self.bus.js.stream_info(stream, subjects_filter=f"$KV.{bucket}.>"), 10)
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
             return out
-        for k in keys:
-            with contextlib.suppress(Exception):
-                entry = await asyncio.wait_for(self.leases.get(k), 5)
-                if entry.value:
-                    out[k] = msgspec.json.decode(entry.value, type=LeaseValue).owner
+        for subject in info.state.subjects or {}:
+            key = subject.removeprefix(f"$KV.{bucket}.")
+            if key.startswith("member."):
+                continue
+            try:
+                msg = await asyncio.wait_for(self.bus.js.get_last_msg(stream, subject), 5)
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+                continue
+            if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
+                continue
+            with contextlib.suppress(msgspec.DecodeError):
+                out[key] = msgspec.json.decode(msg.data, type=LeaseValue).owner
         return out
 
     @staticmethod
@@ -409,7 +437,7 @@ class ComposeChaos(ProcessChaos):
         return self.rng.choice([s for s in SERVICES if kind_of(s) == fault.target])
 
     def random_fault(self) -> Fault:
-        kind = self.rng.choices(FAULT_KINDS, weights=(0.55, 0.35, 0.10))[0]
+        kind = self.rng.choices(FAULT_KINDS, weights=(0.6, 0.32, 0.08))[0]
         if kind == "kill":
             target = self.rng.choices(TARGETS, weights=(0.35, 0.25, 0.2, 0.1, 0.1))[0]
         elif kind == "partition":
@@ -427,28 +455,34 @@ class ComposeChaos(ProcessChaos):
         if not held:
             return
         deadline = t_cut + TAKEOVER_TIMEOUT_S
+        seen: list[str] = []
         while time.monotonic() < deadline:
             holders = await self.lease_holders()
-            if not (held & self._held_by(holders, reconciler)) and held <= set(holders):
+            still, free = held & self._held_by(holders, reconciler), held - set(holders)
+            line = f"{time.monotonic() - t_cut:.1f}s: {len(still)} still {reconciler}'s, {len(free)} free"
+            if not seen or seen[-1].split(": ", 1)[1] != line.split(": ", 1)[1]:
+                seen.append(line)
+            if not still and not free:
                 self.takeovers.append(round(time.monotonic() - t_cut, 1))
                 return
             await asyncio.sleep(POLL_S)
-        self.violations.append(f"{reconciler} cut off holding partitions {sorted(held, key=int)}: the other "
-                               f"reconciler did not take them over within {TAKEOVER_TIMEOUT_S:.0f}s")
+        self.violations.append(f"{reconciler} cut off holding leases {sorted(held)}: the other reconciler did not "
+                               f"hold them all within {TAKEOVER_TIMEOUT_S:.0f}s ({'; '.join(seen[-6:])})")
+
 
     async def inject(self, fault: Fault) -> None:
         victim = await self._victim(fault)
         kind = kind_of(victim)
-        name = container(victim)
+        name = container(victim, self.project)
         t = f"{time.monotonic() - self._t0:.1f}s"
         if fault.kind == "kill":
             down_s = self.rng.uniform(0.5, 3.0)
-            await podman("kill", name)
+            await self.podman("kill", name)
             self.kills[kind] += 1
             self.events.append(f"{t} kill {victim}")
             self.say(f"podman kill {victim}; down {down_s:.1f}s")
             await asyncio.sleep(down_s)  # the outage itself
-            await podman("start", name)
+            await self.podman("start", name)
             await self._restarted(victim, "kill")
             return
         if fault.kind == "partition":
@@ -457,8 +491,8 @@ class ComposeChaos(ProcessChaos):
             alias = f"{victim}-route" if kind == "nats" else victim
             held = self._held_by(await self.lease_holders(), victim) if kind == "reconciler" else set()
             hold_s = self.rng.uniform(LEASE_TTL_S + 3, LEASE_TTL_S + 8) if kind == "reconciler" else \
-                self.rng.uniform(4.0, 12.0)
-            await podman("network", "disconnect", network(net), name)
+                self.rng.uniform(3.0, 9.0)
+            await self.podman("network", "disconnect", network(net, self.project), name)
             t_cut = time.monotonic()
             self.partitions[what] += 1
             self.events.append(f"{t} partition {victim} off {net} ({hold_s:.1f}s, leases {len(held)})")
@@ -468,12 +502,12 @@ class ComposeChaos(ProcessChaos):
                                      asyncio.sleep(max(0.0, hold_s - (time.monotonic() - t_cut))))
             else:
                 await asyncio.sleep(hold_s)
-            await podman("network", "connect", "--alias", alias, network(net), name)
+            await self.podman("network", "connect", "--alias", alias, network(net, self.project), name)
             await self._restarted(victim, "partition")
             return
         held = self._held_by(await self.lease_holders(), victim) if kind == "reconciler" else set()
         pause_s = self.rng.uniform(LEASE_TTL_S + 3, LEASE_TTL_S + 8)
-        await podman("pause", name)
+        await self.podman("pause", name)
         t_cut = time.monotonic()
         self.pauses[kind] += 1
         self.events.append(f"{t} pause {victim} ({pause_s:.1f}s, leases {len(held)})")
@@ -483,7 +517,7 @@ class ComposeChaos(ProcessChaos):
                                  asyncio.sleep(max(0.0, pause_s - (time.monotonic() - t_cut))))
         else:
             await asyncio.sleep(pause_s)
-        await podman("unpause", name)
+        await self.podman("unpause", name)
         await self._restarted(victim, "pause")
 
     async def faulter(self) -> None:
@@ -526,6 +560,7 @@ class ComposeChaos(ProcessChaos):
         out: dict[str, Any] = {}
         for what, argv in (("replay", ["replay", "--json"]),
                            ("verify", ["verify", "--json", "--kubeconfig", self.kubeconfig])):
+            self.commands.append(self.shape([sys.executable, "-m", "services.cli", *argv]))
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "services.cli", *argv, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, cwd=ROOT,
@@ -587,22 +622,22 @@ class ComposeChaos(ProcessChaos):
             "keys": report.keys,
         }
 
-    async def run(self) -> dict[str, Any]:  # type: ignore[override]
+    async def run(self) -> dict[str, Any]:
         self._t0 = time.monotonic()
         me = asyncio.current_task()
         if me is not None:  # SIGTERM/SIGINT still take the stack down
             for sig in (signal.SIGTERM, signal.SIGINT):
                 asyncio.get_running_loop().add_signal_handler(sig, me.cancel)
         result: dict[str, Any] = {"minutes": self.args.minutes, "runtime": "qemu", "rng_seed": self.rng_seed,
-                                  "plan": self.args.plan or None, "project": PROJECT}
+                                  "plan": self.args.plan or None, "project": self.project}
         oracle: ContainerOracle | None = None
         tasks: list[asyncio.Task[None]] = []
         ok = False
         try:
-            self.say(f"compose stack {PROJECT} from {ROOT / 'compose.yaml'} (run files in {self.run_dir})")
+            self.say(f"compose stack {self.project} from {ROOT / 'compose.yaml'} (run files in {self.run_dir})")
             await self.start_stack()
             result.update({"compose_up_seconds": self.compose_up_seconds, "healthy_seconds": self.healthy_seconds,
-                           "images": self.images})
+                           "healthy_at": self.healthy_at, "images": self.images})
             self.say(f"stack healthy after {self.healthy_seconds}s; churn and faults begin")
             oracle = ContainerOracle(self.ids)
             tasks.append(asyncio.create_task(self._sample(oracle), name="oracle"))
@@ -669,6 +704,7 @@ class ComposeChaos(ProcessChaos):
             "violations": violations,
             "restart_timeouts": self.restart_timeouts,
             "events": self.events,
+            "commands": self.commands,
             "notes": self.notes[:20],
         })
         broken = bool(
