@@ -315,6 +315,9 @@ class KubeletServer:
     def _not_supported(self, what: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handler(request: web.Request) -> web.Response:
             ns, pod = request.match_info["ns"], request.match_info["pod"]
-            return web.Response(status=501, text=NOT_SUPPORTED.format(what=what, ns=ns, pod=pod) + "\n")
+            # an upgrade (exec's SPDY or websocket) that is refused must end the connection, or an
+            # API server proxying it waits for the stream it asked for
+            return web.Response(status=501, text=NOT_SUPPORTED.format(what=what, ns=ns, pod=pod) + "\n",
+                                headers={"Connection": "close"})
 
         return handler

@@ -214,6 +214,7 @@ class LocalStack:
     # component ("watcher", "reconciler") -> the kubeconfig it runs with (the chart's service accounts);
     # a component not named uses ``kubeconfig``. Set by the stack itself for control_plane="kube".
     service_kubeconfigs: dict[str, str] | None = None
+    kubelet_client_ca: str | None = None  # the CA of an external API server's kubelet client (kubectl logs)
     restart_backoff_s: float = 1.0
     host_cpus: int = 64
     host_memory_mib: int = 65536
@@ -356,7 +357,8 @@ class LocalStack:
             agent_cfg = dataclasses.replace(agent_cfg, ack_wait=self.ack_wait_s)
         if self.kubelet_pki is not None:  # kubectl logs: the API server's kubelet client is the only one let in
             kp = self.kubelet_pki
-            client_ca = self.kube.pki.ca.cert if self.kube is not None and self.kube.pki is not None else kp.ca
+            client_ca = self.kubelet_client_ca or (
+                self.kube.pki.ca.cert if self.kube is not None and self.kube.pki is not None else kp.ca)
             agent_cfg = dataclasses.replace(agent_cfg, kubelet_port=0, kubelet_tls_cert=str(kp.server.cert),
                                             kubelet_tls_key=str(kp.server.key), kubelet_client_ca=str(client_ca))
         agent_cfg = agent_cfg.validate()
