@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from . import schema
+from . import podstatus, schema
 from .errors import STALE_DETAIL, ApiError, already_exists, conflict, not_found
 from .faults import Faults
 from .patch import json_patch, merge_patch, strategic_merge_patch
@@ -559,6 +559,8 @@ class Store:
                 new["status"] = copy.deepcopy(body["status"])
             else:
                 new.pop("status", None)
+            if rt.kind == "Pod" and rt.group == "":
+                self._validate_pod_status(rt, cur, new)
         elif subresource is not None:
             raise ApiError(405, f"subresource {subresource!r} does not support this verb", "MethodNotAllowed")
         else:
@@ -610,6 +612,17 @@ class Store:
         ):
             return self._commit(rt, "DELETED", new, cur)
         return self._commit(rt, "MODIFIED", new, cur)
+
+    @staticmethod
+    def _validate_pod_status(rt: ResourceType, cur: Obj, new: Obj) -> None:
+        """As the real server: 400 for a status that does not decode, 422 for one it refuses."""
+        name = meta(cur).get("name", "")
+        try:
+            errors = podstatus.validate(new, cur)
+        except podstatus.StatusDecodeError as exc:
+            raise ApiError(400, str(exc), "BadRequest") from exc
+        if errors:
+            raise invalid(rt, name, errors[0][0], errors[0][1], errors)
 
     def bind(self, rt: ResourceType, namespace: str | None, name: str, body: Any) -> Obj:
         """``POST pods/<name>/binding`` with the real server's semantics (BindingREST): the name
