@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -167,6 +168,9 @@ def test_three_qemu_hosts(compose: dict[str, Any]) -> None:
         vnc.append(set(range(first, last + 1)))
         assert "devices" not in svc, f"{name}: no /dev/kvm in the shipped file"
     assert not (vnc[0] & vnc[1]) and not (vnc[0] & vnc[2]) and not (vnc[1] & vnc[2]), "VNC ranges overlap"
+    cidrs = [ipaddress.ip_network(_env(s)["VMFENCE_POD_CIDR"]) for s in agents.values()]
+    assert not any(a.overlaps(b) for i, a in enumerate(cidrs) for b in cidrs[i + 1 :]), "pod pools overlap"
+    assert {_env(s)["VMFENCE_NETWORK"] for s in agents.values()} == {"user"}, "unprivileged agents: user networking"
     vols = [v.split(":")[0] for s in agents.values() for v in s["volumes"] if not str(v).startswith(("$", "."))]
     assert len(vols) == len(set(vols)) == 6, "a ledger and a snapshot volume per host"
 
