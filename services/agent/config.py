@@ -132,12 +132,13 @@ class AgentConfig(ServiceSettings):
                            parse=parse_optional_ip, metavar="ADDRESS",
                            shown_default="the pod network's gateway (bridge networking), else none")
     cpus: int = setting(0, "CPUs offered to VMs (heartbeat, the Node's allocatable); 0 = this host's own "
-                        "(sched_getaffinity) minus --reserve-cpus", lo=0, hi=4096,
+                        "(sched_getaffinity) minus --reserve-cpus (a sim host may overcommit far beyond)",
+                        lo=0, hi=1_000_000,
                         shown_default="0: the host's CPUs minus --reserve-cpus")
     memory_mib: int = setting(0, "memory (MiB) offered to VMs; 0 = MemTotal of /proc/meminfo minus --reserve-memory",
                               lo=0, shown_default="0: the host's memory minus --reserve-memory")
     reserve_cpus: int = setting(0, "CPUs kept for the host itself when --cpus is 0 (the Node's capacity minus "
-                                "its allocatable)", lo=0, hi=4096)
+                                "its allocatable)", lo=0, hi=1_000_000)
     reserve_memory_mib: int = setting(512, "memory (MiB) kept for the host itself when --memory-mib is 0",
                                       flag="--reserve-memory", lo=0)
     image_dir: str = setting("", "where relative guest image names resolve", shown_default="<data-dir>/images")
