@@ -71,6 +71,9 @@ ANN_HOST = "vmfence.io/host"
 ANN_IP = "vmfence.io/ip"
 ANN_VNC_PORT = "vmfence.io/vnc-port"
 ANN_EPOCH = "vmfence.io/epoch"
+# the pod network of the VM's host when it gives the VM no reachable address ("user": QEMU user
+# networking, "none"): the pod says so instead of showing no podIP without a word (issue 12 §1)
+ANN_NETWORK = "vmfence.io/network"
 COND_HIBERNATED = "vmfence.io/Hibernated"
 COND_SPEC_VALID = "vmfence.io/SpecValid"
 
@@ -362,6 +365,7 @@ class K8sGateway:
         *,
         owns_client: bool = False,
         host_ip: Callable[[str], str | None] | None = None,
+        host_network: Callable[[str], str | None] | None = None,
         instance: str = "",
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         call_timeout_s: float = CALL_TIMEOUT_S,
@@ -371,6 +375,7 @@ class K8sGateway:
         self.custom = client.CustomObjectsApi(api_client)
         self._owns = owns_client
         self.host_ip = host_ip
+        self.host_network = host_network  # host -> its heartbeat's pod network (bridge | user | none)
         self.instance = instance
         self.request_timeout_s = request_timeout_s
         self.call_timeout_s = call_timeout_s
@@ -611,7 +616,10 @@ class K8sGateway:
         if key.kind != "pod":
             return
         have = m.get("annotations") or {}
-        ann = {k: v for k, v in runtime_annotations(intent, fence.epoch).items() if have.get(k) != v}
+        network = self.host_network(intent.host) if self.host_network and intent.host else None
+        want_ann = runtime_annotations(intent, fence.epoch)
+        want_ann[ANN_NETWORK] = network if network in ("user", "none") and intent.ip is None else None
+        ann = {k: v for k, v in want_ann.items() if have.get(k) != v}
         if ann:
             body = {"metadata": {"uid": fence.uid, "annotations": ann}}
             await self._retrying(

@@ -107,6 +107,10 @@ class Reconciler:
         part = self.partitions.get(self.subjects.partition(key))
         return part is not None and await part.feed(key, inp)
 
+    def _host_network(self, host: str) -> str | None:
+        h = self.hosts.hosts.get(host)
+        return h.beat.network if h is not None else None
+
     def _host_ip(self, host: str) -> str | None:
         h = self.hosts.hosts.get(host)
         return h.beat.ip if h is not None else None
@@ -127,7 +131,7 @@ class Reconciler:
             identity = f"{info.config.name}:{info.created}" if hasattr(info, "created") else info.config.name or ""
             self.snapshots = SnapshotStore(os.path.join(cfg.data_dir, f"snapshot-{self.safe_id()}.sqlite"))
             await self.snapshots.open(stream_identity=str(identity))
-            gateway = self._gateway or await _default_gateway(cfg, self._host_ip)
+            gateway = self._gateway or await _default_gateway(cfg, self._host_ip, self._host_network)
             self.bind_unscheduled = await _bind_unscheduled(cfg, gateway)
             log.info("pods without a nodeName: %s", "placed and bound by vmfence" if self.bind_unscheduled
                      else "left to the scheduler")
@@ -405,12 +409,14 @@ class Reconciler:
                     log.warning("snapshot failed: %r", exc, extra={"partition": part.p})
 
 
-async def _default_gateway(cfg: ReconcilerConfig, host_ip: Callable[[str], str | None]) -> KubeGateway:
+async def _default_gateway(cfg: ReconcilerConfig, host_ip: Callable[[str], str | None],
+                           host_network: Callable[[str], str | None] | None = None) -> KubeGateway:
     from services.reconciler.kube import K8sGateway, NullGateway
 
     if cfg.kube == "none":
         return NullGateway()
-    return await K8sGateway.connect(kubeconfig=cfg.kubeconfig, host_ip=host_ip, instance=cfg.owner_id())
+    return await K8sGateway.connect(kubeconfig=cfg.kubeconfig, host_ip=host_ip, host_network=host_network,
+                                    instance=cfg.owner_id())
 
 
 async def _bind_unscheduled(cfg: ReconcilerConfig, gateway: KubeGateway) -> bool:

@@ -82,3 +82,20 @@ async def test_a_terminated_container_of_a_never_restarting_pod_stays_terminated
         await _patch(core, "done", {"phase": "Running", "containerStatuses": [
             {**cs, "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]})
     assert err.value.status == 422 and "may not be transitioned to non-terminated state" in err.value.body
+
+
+async def test_a_vm_without_a_reachable_address_says_its_hosts_network(api: client.ApiClient) -> None:
+    core = client.CoreV1Api(api)
+    networks = {"host-a": "user"}
+    gw = K8sGateway(api, host_ip=lambda host: "192.168.50.1", host_network=networks.get)
+    pod = await core.create_namespaced_pod(NS, pod_body("net", nodeName="vmfence-host-a"))
+    fence = Fence(f"{NS}/net", pod.metadata.uid, 1)
+    up = PodStatusIntent("Running", ready=True, vm_id="v-1", host="host-a")  # user networking: no ip
+    assert (await gw.write(Key("pod", NS, "net"), KubeWrite("n1", "status", fence, status=up))).outcome == "ok"
+    got = await core.read_namespaced_pod("net", NS)
+    assert got.metadata.annotations["vmfence.io/network"] == "user" and got.status.pod_ip is None
+    networks["host-a"] = "bridge"
+    bridged = PodStatusIntent("Running", ready=True, vm_id="v-2", host="host-a", ip="10.240.1.9")
+    assert (await gw.write(Key("pod", NS, "net"), KubeWrite("n2", "status", fence, status=bridged))).outcome == "ok"
+    got = await core.read_namespaced_pod("net", NS)
+    assert "vmfence.io/network" not in (got.metadata.annotations or {}) and got.status.pod_ip == "10.240.1.9"
