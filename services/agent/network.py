@@ -28,7 +28,9 @@ The shape (issue 12 §1, DESIGN rule 9):
   their status but no DHCP server: they must configure it themselves.
 - **Other modes.** ``--network user`` keeps QEMU user-mode networking (no bridge, no address: the
   VM's status reports none instead of QEMU's 10.0.2.15, the same inside every guest); ``--network
-  none`` gives VMs no NIC. The ``sim`` runtime allocates from the pool too (no bridge, no taps).
+  none`` gives VMs no NIC. The ``sim`` runtime allocates from the pool too (no bridge, no taps), by
+  default out of 127.240.0.0/16: its VMs live in the agent's process, and whatever connects to their
+  addresses (probes) stays on loopback instead of leaving by the default route.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ NetworkMode = Literal["bridge", "user", "none"]
 NETWORK_MODES: tuple[NetworkMode, ...] = ("bridge", "user", "none")
 
 DEFAULT_POD_CIDR_POOL = "10.240.0.0/16"
+# the sim's VMs live in the agent's process: their addresses are loopback ones (127/8 is all local on
+# Linux), so whatever probes or connects to them stays on this machine
+SIM_POD_CIDR_POOL = "127.240.0.0/16"
 HOST_PREFIX = 24  # the /24 an agent leases out of the pool
 IFNAMSIZ = 15
 NETWORK_FILE = "network.json"
@@ -380,6 +385,7 @@ __all__ = [
     "DEFAULT_POD_CIDR_POOL",
     "NETWORK_FILE",
     "NETWORK_MODES",
+    "SIM_POD_CIDR_POOL",
     "AddressPool",
     "HostNetwork",
     "NetworkError",

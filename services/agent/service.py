@@ -38,13 +38,19 @@ from nats.js.kv import KeyValue
 
 from services.agent.answers import inventory_responder, vnc_responder
 from services.agent.collect import Collector
-from services.agent.config import AgentConfig
+from services.agent.config import AgentConfig, host_cpus, host_memory_mib
 from services.agent.executor import Executor, VMLocks, labels_fence
 from services.agent.kubelet import KubeletServer, KubeletTls
 from services.agent.ledger import LEDGER_FILE, TRANSIENT_STATES, Ledger, is_write_failure
 from services.agent.logs import cmd_fields, fence_fields
 from services.agent.metrics import AgentMetrics
-from services.agent.network import HostNetwork, NetworkError, parse_cidr
+from services.agent.network import (
+    DEFAULT_POD_CIDR_POOL,
+    SIM_POD_CIDR_POOL,
+    HostNetwork,
+    NetworkError,
+    parse_cidr,
+)
 from services.agent.probes import Prober
 from services.agent.runtime import (
     RuntimeDriver,
@@ -193,7 +199,8 @@ class Agent:
         self.network = HostNetwork(
             mode=config.network, data_dir=config.data_dir, host=config.host,  # type: ignore[arg-type]
             subnet=parse_cidr(config.pod_cidr) if config.pod_cidr else None,
-            pool_cidr=parse_cidr(config.pod_cidr_pool), taps=config.runtime == "qemu",
+            pool_cidr=parse_cidr(SIM_POD_CIDR_POOL if config.runtime == "sim" and config.pod_cidr_pool ==
+                                 DEFAULT_POD_CIDR_POOL else config.pod_cidr_pool), taps=config.runtime == "qemu",
         )
         self.collector: Collector | None = None
         self.kubelet: KubeletServer | None = None
@@ -259,7 +266,8 @@ class Agent:
             )
             self.collector = Collector(self.executor, self.metrics, grace_s=cfg.collect_grace)
             self.prober = Prober(self.ledger, driver, cfg.host, self._publish_probe,
-                                 interval=cfg.probe_interval, timeout=cfg.probe_timeout)
+                                 interval=cfg.probe_interval, timeout=cfg.probe_timeout,
+                                 on_liveness_failure=self._liveness_failed)
             where = cfg.nats_display  # a password in a URL is never logged
             log.info("connecting to NATS at %s", where, extra={"host": cfg.host, "event": "connecting"})
             try:
@@ -620,6 +628,20 @@ class Agent:
         except Exception:
             log.exception("runtime event not reported", extra={"vm_id": ev.vm_id})
 
+    async def _liveness_failed(self, vm_id: str, fence: Fence) -> None:
+        """The pod's livenessProbe failed its threshold: stop the VM (only while ``fence`` owns it) and
+        report the exit as the VM's own, so the reconciler restarts it by the pod's restartPolicy — as
+        a kubelet kills a container."""
+        assert self.executor is not None
+        ex = self.executor
+        async with ex.locks.hold(vm_id):
+            row = self.ledger.vm(vm_id)
+            if row is None or row.fence != fence or row.state not in ("running", "paused"):
+                return
+            log.warning("liveness probe failed: stopping the VM", extra=fence_fields(fence, vm_id, event="liveness"))
+            await ex.timed(self.driver.stop(vm_id))
+        await self._on_event(VMExitedEvent(vm_id=vm_id, exit_code=None, signal=9))
+
     async def _report_until_stored(self, kind: str, fence: Fence, payload: msgspec.Struct, msg_id: str) -> bool:
         """A runtime event happens once: nothing would report it again, so its report is retried
         (same Msg-Id) until JetStream stores it or the agent stops. False if it stopped first; the
@@ -713,6 +735,8 @@ class Agent:
             memory_free_mib=memory_free, vms=len(rows), at=time.time(), accel=getattr(self.driver, "accel", None),
             ip=self.host_ip or (self.kubelet.listen if self.kubelet is not None else None), network=cfg.network,
             kubelet_port=self.kubelet.port if self.kubelet is not None else None,
+            # the host's own figures (the Node's capacity); cpus_total/memory_total are what VMs may take
+            cpus_capacity=max(cfg.cpus, host_cpus()), memory_capacity_mib=max(cfg.memory_mib, host_memory_mib()),
         )
         await asyncio.wait_for(self._kv.put(cfg.host, encode(hb)), NET_TIMEOUT_S)
         self.metrics.reports.labels(kind="heartbeat").inc()

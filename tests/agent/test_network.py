@@ -13,6 +13,7 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,8 +23,9 @@ from services.agent.ledger import ADDRESS_KIND, LEDGER_FILE, Ledger
 from services.agent.metrics import AgentMetrics
 from services.agent.network import AddressPool, HostNetwork, NetworkError, candidate_subnets, mac_for, parse_cidr
 from services.agent.runtime.sim import SimDriver
+from services.agent.service import Agent
 
-from .conftest import command, fence
+from .conftest import command, fence, sim_driver
 
 
 @pytest.fixture(autouse=True)
@@ -292,3 +294,12 @@ async def test_collector_releases_an_address_whose_vm_never_got_its_intent_row(h
     r, _ = await host.executor.execute(command("create", "live", fence(1, key="default/live")))
     out = await host.collector.collect()
     assert out.addresses == 1 and set(await held(host)) == {r.ip}
+
+
+async def test_a_sim_agent_s_addresses_are_loopback_ones(make_config: Any, nc: Any, reports: Any) -> None:
+    """Anything that connects to a sim VM's address (a pod-spec probe) stays on this machine."""
+    cfg = make_config()
+    async with Agent(cfg, driver=sim_driver(cfg)) as agent:
+        assert agent.network.pool is not None
+        assert agent.network.pool.subnet.subnet_of(ipaddress.IPv4Network("127.0.0.0/8"))
+        assert agent.host_ip is None  # no interface has the sim's gateway
