@@ -241,3 +241,21 @@ def test_a_superseded_hibernated_incarnation_has_its_saved_vm_removed() -> None:
     d.admit("u2", _on("host-b"))
     removes = [c for c in d.commands("remove") if c.vm_id == vm]
     assert [(c.host, c.fence.uid) for c in removes] == [("host-a", "u1")]
+
+
+def test_a_pod_evicted_from_a_dead_node_is_finalized_only_once_its_vm_is_confirmed_removed() -> None:
+    """The node lifecycle controller's taint eviction is a graceful delete: the pod stays
+    Terminating (no final delete) while the dead host's agent cannot confirm the VM removed, however
+    long that takes (rule 12: no destructive step on a clock), and goes once it does."""
+    d = Driver(env=ENV)
+    first = d.run_up("u1", _on("host-a"))
+    d.env = DecideEnv(hosts=[B])  # host-a's agent is dead: its Node went NotReady, the pod is evicted
+    d.feed(Observed(KEY, "u1", d.next_rv(), deleting=True, spec=_on("host-a")))
+    (remove,) = d.commands("remove")
+    assert (remove.vm_id, remove.host) == (first.vm_id, "host-a")
+    for timer in list(d.timers()):  # whatever re-checks fire meanwhile, none finalizes
+        d.feed(TimerFired(timer.fence, timer.timer_id))
+    assert d.writes("delete") == [], "finalized while its VM was not confirmed removed"
+    d.env = ENV
+    d.answer(remove)  # the agent is back and removed the VM
+    assert d.writes("delete")
