@@ -289,7 +289,7 @@ class Agent:
             await self._start_http()
             await self._start_kubelet()
             await self._startup(self.inventory(), "publish the inventory")
-            await self._startup(self.heartbeat(), "write the heartbeat")
+            await self._startup(self._first_heartbeat(), "write the heartbeat")
             self._ready = True
             log.info("agent ready", extra={"host": cfg.host, "event": "ready"})
             if ready is not None:
@@ -711,6 +711,22 @@ class Agent:
         log.info("inventory round %s: %d VMs", round_id, len(rows.keys() | listed.keys()),
                  extra={"host": host, "event": "inventory"})
         return round_id
+
+    async def _first_heartbeat(self) -> None:
+        """The first heartbeat, waiting (within the startup bound) for the hosts bucket: in a stack
+        whose services start together the reconciler that provisions it may not have yet."""
+        attempt = 0
+        while True:
+            try:
+                await self.heartbeat()
+                return
+            except nats.js.errors.BucketNotFoundError:
+                delay = min(SUBSCRIBE_BACKOFF_MAX_S, 0.25 * 2**attempt)
+                attempt += 1
+                log.warning("hosts bucket %s does not exist yet (provisioning?); retrying in %.1fs",
+                            self.subjects.kv_hosts, delay, extra={"host": self.config.host})
+                if await self._sleep(delay):
+                    return
 
     async def heartbeat(self) -> None:
         """Capacity and usage into KV ``<prefix>_hosts`` under the host name."""
