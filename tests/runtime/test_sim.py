@@ -207,9 +207,13 @@ async def test_the_host_record_is_a_journal_that_reloads_whole_and_survives_a_to
     assert sorted(load_host(str(tmp_path)).vms) == d.all_vms()
     # an agent SIGKILLed mid-write leaves a torn last line: everything before it still counts
     await d.create(VMSpec(vm_id="last", labels=LABELS))
-    with open(tmp_path / JOURNAL_FILE, "ab") as f:
-        f.write(b'{"vm_id":"torn","vm":{"spec"')
+    _append(tmp_path / JOURNAL_FILE, b'{"vm_id":"torn","vm":{"spec"')
     d2 = SimDriver(state_dir=str(tmp_path), seed=7)
     await d2.open()
     assert d2.all_vms() == d.all_vms() and "last" in d2.all_vms() and "torn" not in d2.all_vms()
     await d2.close()
+
+
+def _append(path: Path, data: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(data)
