@@ -78,6 +78,7 @@ COND_HIBERNATED = "vmfence.io/Hibernated"
 COND_SPEC_VALID = "vmfence.io/SpecValid"
 
 
+NAMESPACE_TERMINATING = "because it is being terminated"  # NamespaceLifecycle admission's refusal
 DEV_SERVER_MARK = "-vmfence-dev"  # in the development server's gitVersion (services/apiserver)
 
 
@@ -504,7 +505,11 @@ class K8sGateway:
         except TimeoutError:
             outcome, detail = "failed", f"timed out after {self.call_timeout_s}s"
         if write.verb == "event" and outcome != "ok":
-            log.warning("event %s for %s not written: %s", write.event_reason, key, detail, extra={"key": str(key)})
+            # an Event in a namespace being deleted is refused by the real server's NamespaceLifecycle
+            # admission (403 "... because it is being terminated"): expected while its pods end
+            terminating = NAMESPACE_TERMINATING in (detail or "")
+            (log.info if terminating else log.warning)(
+                "event %s for %s not written: %s", write.event_reason, key, detail, extra={"key": str(key)})
             outcome = "failed"
         return WriteDone(fence=write.fence, write_id=write.id, outcome=outcome, detail=detail,  # type: ignore[arg-type]
                          node=node)
