@@ -4,9 +4,8 @@ The stack is ``compose.yaml`` as users get it (the ``dev`` profile: three NATS s
 JetStream cluster, the development API server, the watcher, two reconcilers, three QEMU agents),
 started by a real Compose implementation (``podman-compose``, pinned in the dev extras) on podman
 with runc. Each service is a container with its own network namespace; the images come from
-``make images``. The run adds only an override file (no published host ports: the harness talks to
-the containers' addresses on podman's bridges, and other stacks on this machine keep their ports)
-and an ``.env`` with fresh passwords.
+``make images``. The run adds only an override file (the servers on the run's own loopback ports,
+no VNC ports: other stacks on this machine keep theirs) and an ``.env`` with fresh passwords.
 
 While pods churn through the API server (the process campaign's workload,
 :meth:`ProcessChaos.churn`), faults follow a schedule the seed fixes, one at a time:
@@ -238,14 +237,40 @@ def parse_plan(text: str) -> list[Fault]:
 AGENT_ENV = {"VMFENCE_CPUS": "32", "VMFENCE_MEMORY_MIB": "32768", "VMFENCE_INVENTORY_INTERVAL": "15"}
 
 
-def override_text() -> str:
-    """The run's compose override: no published host ports (`!reset`), AGENT_ENV on the agents."""
-    lines = ["# written by vmfence chaos --compose: no published ports; hosts sized for the churn", "services:"]
-    for s in ("nats-1", "apiserver", *AGENTS):
-        lines += [f"  {s}:", "    ports: !reset []"]
-        if s in AGENTS:
-            lines += ["    environment:", *(f'      {k}: "{v}"' for k, v in AGENT_ENV.items())]
+def override_text(ports: dict[str, int]) -> str:
+    """The run's compose override: the other two NATS servers published on the run's own loopback
+    ports (``ports``; nats-1's and the API server's come from compose.yaml's VMFENCE_*_HOST_PORT
+    variables in the run's .env), no VNC ranges (`!reset`), AGENT_ENV on the agents. The harness
+    and the audit reach the servers there: a restarted container gets a new address on podman's
+    bridges, and a published port follows it."""
+    lines = ["# written by vmfence chaos --compose: the run's own loopback ports; hosts sized for the churn",
+             "services:"]
+    for s in NATS_NODES[1:]:
+        lines += [f"  {s}:", "    ports:", f'      - "127.0.0.1:{ports[s]}:4222"']
+    for s in AGENTS:
+        lines += [f"  {s}:", "    ports: !reset []", "    environment:",
+                  *(f'      {k}: "{v}"' for k, v in AGENT_ENV.items())]
     return "\n".join(lines) + "\n"
+
+
+def free_ports(n: int) -> list[int]:
+    """n loopback ports free now, outside the ephemeral range that other stacks' port-0 binds use
+    (a published port is forwarded by the firewall: it must never be a port someone binds later)."""
+    import random
+    import socket
+
+    rng = random.SystemRandom()
+    out: list[int] = []
+    while len(out) < n:
+        port = rng.randrange(21000, 30000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in out:
+            out.append(port)
+    return out
 
 
 @dataclass
@@ -296,12 +321,16 @@ class ComposeChaos(ProcessChaos):
         env["VMFENCE_IMAGE"] = os.environ.get("VMFENCE_IMAGE", "localhost/vmfence:dev")
         env["VMFENCE_NATS_IMAGE"] = os.environ.get("VMFENCE_NATS_IMAGE") or self._nats_image()
         self.images = {k: env[k] for k in IMAGE_ENV}
+        self.ports = dict(zip((*NATS_NODES, "apiserver", "nats-monitor"), free_ports(5), strict=True))
+        env |= {"VMFENCE_NATS_HOST_PORT": str(self.ports["nats-1"]),
+                "VMFENCE_NATS_MONITOR_HOST_PORT": str(self.ports["nats-monitor"]),
+                "VMFENCE_API_HOST_PORT": str(self.ports["apiserver"])}
         path = self.run_dir / "compose.env"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write("# the passwords of this run (vmfence chaos --compose)\n")
             f.writelines(f"{k}={v}\n" for k, v in env.items())
-        (self.run_dir / "override.yaml").write_text(override_text())
+        (self.run_dir / "override.yaml").write_text(override_text(self.ports))
 
     @staticmethod
     def _nats_image() -> str:
@@ -315,13 +344,6 @@ class ComposeChaos(ProcessChaos):
         _, out = await self.podman("inspect", container(service, self.project))
         info: list[dict[str, Any]] = json.loads(out)
         return info[0]
-
-    async def _ip(self, service: str, net: str) -> str:
-        nets = (await self._inspect(service))["NetworkSettings"]["Networks"]
-        ip = str((nets.get(network(net, self.project)) or {}).get("IPAddress") or "")
-        if not ip:
-            raise ComposeError(f"{service} has no address on {network(net, self.project)}")
-        return ip
 
     async def wait_healthy(self, service: str, within_s: float = HEALTHY_TIMEOUT_S) -> bool:
         """compose.yaml's own healthcheck of the service passes (podman runs it on request: this
@@ -358,8 +380,8 @@ class ComposeChaos(ProcessChaos):
             self.healthy_at[s] = round(time.monotonic() - t0, 1)
         self.healthy_seconds = round(time.monotonic() - t0, 1)
         self.ids = await asyncio.to_thread(container_ids, self.project)
-        self.nats_urls = [f"nats://{await self._ip(n, 'bus')}:4222" for n in NATS_NODES]
-        self.api_url = f"http://{await self._ip('apiserver', 'kube')}:6443"
+        self.nats_urls = [f"nats://127.0.0.1:{self.ports[n]}" for n in NATS_NODES]
+        self.api_url = f"http://127.0.0.1:{self.ports['apiserver']}"
         kubeconfig = self.run_dir / "kubeconfig"
         kubeconfig.write_text(yaml.safe_dump({
             "apiVersion": "v1", "kind": "Config",
