@@ -12,7 +12,8 @@
 #     agent's address pool on its bridge), else as 10.0.2.15/24 via 10.0.2.2 (QEMU user networking),
 #   - writes a random token to /tmp/token (lives only in guest RAM),
 #   - serves HTTP on port 8080 (busybox httpd): GET /token returns the token, GET / returns "ok",
-#   - prints "VMFENCE-READY <token>" on the serial console (ttyS0) once the server is up.
+#   - prints "VMFENCE-READY <token>" on the serial console (ttyS0) once the server is up,
+#   - then runs a shell on the serial console (vmfence console).
 # The driver boots it with: -kernel vmlinuz -initrd initramfs.cpio.gz -append "console=ttyS0 quiet [vmfence.ip=.. vmfence.gw=..]"
 # GUEST_VERSION in OUTDIR stamps which revision of this script built the image (see below).
 set -euo pipefail
@@ -23,7 +24,7 @@ OUTDIR="$(cd "$OUTDIR" && pwd)"
 
 # Bump GUEST_VERSION whenever the guest's init or contents change: an image built by an older
 # script (no stamp, or another number) is rebuilt instead of being served from the cache.
-GUEST_VERSION=2
+GUEST_VERSION=3
 if [[ -z "${FORCE:-}" && -s "$OUTDIR/vmlinuz" && -s "$OUTDIR/initramfs.cpio.gz" \
       && "$(cat "$OUTDIR/GUEST_VERSION" 2>/dev/null)" == "$GUEST_VERSION" ]]; then
     echo "guest image cached in $OUTDIR"
@@ -140,6 +141,8 @@ echo ok > /www/index.html
 ln -s /tmp/token /www/token
 httpd -p 8080 -h /www
 echo "VMFENCE-READY $token" > /dev/console
+# a shell on the serial console for `vmfence console` (the agent lets in only the VM's operators)
+while true; do setsid sh -c 'exec sh </dev/ttyS0 >/dev/ttyS0 2>&1'; sleep 1; done &
 while true; do sleep 3600; done
 EOF
 chmod 755 "$ROOT/init"

@@ -170,6 +170,8 @@ class AgentConfig(ServiceSettings):
                                      "server's kubelet client)", metavar="FILE")
     kubelet_client_names: str = setting("kube-apiserver-kubelet-client", "comma-separated certificate common "
                                         "names the kubelet endpoint accepts (empty: any the CA signed)")
+    console_client_names: str = setting("vmfence-console", "comma-separated certificate common names that may "
+                                        "attach to a VM's serial console (vmfence console) on the kubelet endpoint")
     collect_interval: float = _seconds(60.0, "seconds between collector passes (unowned snapshots, VM "
                                              "directories, addresses, taps)")
     collect_grace: float = setting(600.0, "seconds an unowned snapshot or VM directory is left before it is "

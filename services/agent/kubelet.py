@@ -28,6 +28,7 @@ import logging
 import os
 import ssl
 import time
+import tty
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -39,6 +40,8 @@ from services.agent.runtime import RuntimeDriver
 log = logging.getLogger("vmfence.agent.kubelet")
 
 DEFAULT_CLIENT_NAMES = ("kube-apiserver-kubelet-client",)
+DEFAULT_CONSOLE_NAMES = ("vmfence-console",)
+CONSOLE_READ = 4096
 CLOCK_INTERVAL_S = 1.0
 CLOCK_SAMPLES = 4096  # per VM; older samples are merged (their lines keep the older time)
 FOLLOW_POLL_S = 0.2
@@ -55,6 +58,7 @@ class KubeletTls:
     key: str
     client_ca: str
     client_names: tuple[str, ...] = DEFAULT_CLIENT_NAMES
+    console_names: tuple[str, ...] = DEFAULT_CONSOLE_NAMES  # who may attach to a VM's serial console
 
     def server_context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.client_ca)
@@ -194,6 +198,7 @@ class KubeletServer:
     async def start(self) -> int:
         app = web.Application(middlewares=[self._authorize])
         app.router.add_get("/containerLogs/{ns}/{pod}/{container}", self.container_logs)
+        app.router.add_get("/console/{ns}/{pod}", self.console)
         for what in ("exec", "attach", "portForward", "run"):
             app.router.add_route("*", f"/{what}/{{ns}}/{{pod}}{{tail:(/.*)?}}", self._not_supported(what))
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -230,9 +235,10 @@ class KubeletServer:
     async def _authorize(self, request: web.Request, handler: Callable[..., object]) -> web.StreamResponse:
         cert = request.transport.get_extra_info("peercert") if request.transport else None
         names = {v for rdn in (cert or {}).get("subject", ()) for k, v in rdn if k == "commonName"}
-        if not cert or (self.tls.client_names and not names & set(self.tls.client_names)):
+        allowed = self.tls.console_names if request.path.startswith("/console/") else self.tls.client_names
+        if not cert or (allowed and not names & set(allowed)):
             log.warning("kubelet request refused: client %s is not one of %s", sorted(names) or "unknown",
-                        self.tls.client_names, extra={"host": self.host, "event": "kubelet_refused"})
+                        allowed, extra={"host": self.host, "event": "kubelet_refused"})
             return web.Response(status=403, text="Forbidden: this client certificate may not use the kubelet API\n")
         result = await handler(request)  # type: ignore[misc]
         assert isinstance(result, web.StreamResponse)
@@ -310,6 +316,64 @@ class KubeletServer:
                 out = chunk
             if out:
                 await resp.write(out)
+
+    # ------------------------------------------------------------------ the serial console
+    async def console(self, request: web.Request) -> web.StreamResponse:
+        """A websocket to the VM's serial console: binary messages each way, until either side ends
+        (the client detaches, the VM stops)."""
+        ns, pod = request.match_info["ns"], request.match_info["pod"]
+        row = self._vm_of(ns, pod)
+        fn = getattr(self.driver, "console", None)
+        pty = await fn(row.vm_id) if row is not None and callable(fn) else None
+        if row is None or pty is None:
+            raise web.HTTPNotFound(text=f"no running VM of pod {ns}/{pod} with a serial console on host {self.host}\n")
+        ws = web.WebSocketResponse(heartbeat=30.0)
+        await ws.prepare(request)
+        fd = os.open(pty, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK)
+        tty.setraw(fd)
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=256)
+
+        def readable() -> None:
+            try:
+                data = os.read(fd, CONSOLE_READ)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""  # EIO: QEMU closed its side
+            if not data:
+                loop.remove_reader(fd)
+            with contextlib.suppress(asyncio.QueueFull):  # a client that does not read loses output
+                out.put_nowait(data or None)
+
+        async def to_client() -> None:
+            while (data := await out.get()) is not None:
+                await ws.send_bytes(data)
+
+        async def to_vm() -> None:
+            async for msg in ws:
+                if msg.type in (web.WSMsgType.BINARY, web.WSMsgType.TEXT):
+                    data = msg.data if isinstance(msg.data, bytes) else str(msg.data).encode()
+                    with contextlib.suppress(BlockingIOError):
+                        os.write(fd, data)
+
+        fields = {"key": row.fence.key, "uid": row.fence.uid, "epoch": row.fence.epoch, "vm_id": row.vm_id}
+        log.info("console attached", extra={**fields, "event": "console_attached"})
+        loop.add_reader(fd, readable)
+        try:
+            tasks = [asyncio.ensure_future(to_client()), asyncio.ensure_future(to_vm())]
+            try:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+            await ws.close()
+            log.info("console detached", extra={**fields, "event": "console_detached"})
+        return ws
 
     # ------------------------------------------------------------------ what a VM cannot do
     def _not_supported(self, what: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:

@@ -439,7 +439,8 @@ class Agent:
         if not cfg.kubelet_tls_cert:
             return
         names = tuple(n.strip() for n in cfg.kubelet_client_names.split(",") if n.strip())
-        tls = KubeletTls(cfg.kubelet_tls_cert, cfg.kubelet_tls_key, cfg.kubelet_client_ca, names)
+        console = tuple(n.strip() for n in cfg.console_client_names.split(",") if n.strip())
+        tls = KubeletTls(cfg.kubelet_tls_cert, cfg.kubelet_tls_key, cfg.kubelet_client_ca, names, console)
         server = KubeletServer(self.ledger, self.driver, cfg.host, tls,
                                listen=cfg.kubelet_listen or self.host_ip or "127.0.0.1", port=cfg.kubelet_port)
         try:

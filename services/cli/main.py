@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from services.cli import decisions, replay, status, verify, vnc
+from services.cli import console, decisions, replay, status, verify, vnc
 from services.cli.common import CliError, eprint
 from shared.tasks import run_main
 
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_parser(sub)
     verify.add_parser(sub)
     vnc.add_parser(sub)
+    console.add_parser(sub)
     for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
         try:
             ep.load()(sub)

@@ -97,6 +97,16 @@ async def test_logs_come_from_the_console_for_the_api_server_s_certificate_only(
         status, body = await fetch(a, f"/{what}/{NS}/{POD}/main?command=sh", ok)
         assert status == 501 and "vmfence console default/web" in body, (what, body)
 
+    # the serial console is for the console's certificate only (the API server's is refused); the sim
+    # has no interactive console and says so
+    status, body = await fetch(a, f"/console/{NS}/{POD}", ok)
+    assert status == 403, body
+    op = client_ctx(pki, pki.console.cert, pki.console.key)
+    status, body = await fetch(a, f"/console/{NS}/{POD}", op)
+    assert status == 404 and "serial console" in body, body
+    status, body = await fetch(a, f"/containerLogs/{NS}/{POD}/main", op)
+    assert status == 403, "the console's certificate reads no logs"
+
     # another certificate of the same CA is refused; no certificate does not get through TLS
     other = _save(tmp_path / "pki", "intruder", _leaf_of(pki, "system:node:evil"))
     status, body = await fetch(a, f"/containerLogs/{NS}/{POD}/main", client_ctx(pki, other.cert, other.key))

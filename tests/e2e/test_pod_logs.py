@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from tests.e2e.conftest import NS, Env
 
@@ -36,8 +38,16 @@ async def test_kubectl_logs_tail_follow_previous_and_clear_exec(env: Env) -> Non
     pod = await env.wait_running("logs-0", uid)
     host = pod.metadata.annotations["vmfence.io/host"]
     vm_id = pod.metadata.annotations["vmfence.io/vm-id"]
-    node = await env.core.read_node(f"vmfence-{host}")
-    assert node.status.daemon_endpoints.kubelet_endpoint.port > 0  # where the API server goes
+
+    async def advertised() -> bool:  # the fleet reconciler writes the host's Node on its own schedule
+        try:
+            node = await env.core.read_node(f"vmfence-{host}")
+        except ApiException:
+            return False
+        ep = node.status.daemon_endpoints
+        return ep is not None and ep.kubelet_endpoint is not None and (ep.kubelet_endpoint.port or 0) > 0
+
+    await env.wait_for(f"vmfence-{host} advertising its kubelet endpoint", advertised)
 
     out = await kubectl(env, "logs", "logs-0", "-n", NS)
     assert out.returncode == 0 and f"booting {vm_id}" in out.stdout and "VMFENCE-READY" in out.stdout, out
@@ -86,3 +96,8 @@ async def test_kubectl_logs_tail_follow_previous_and_clear_exec(env: Env) -> Non
     assert out.returncode != 0 and "vmfence console" in out.stderr, out
     out = await kubectl(env, "port-forward", "logs-0", "-n", NS, "18080:8080", timeout=20)
     assert out.returncode != 0 and "vmfence console" in out.stderr, out
+    # vmfence console: the sim's VMs have no interactive console, and it says so
+    cli = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.cli", "console", f"{NS}/logs-0",
+                                                   "--kubeconfig", kc], capture_output=True, text=True, timeout=30,
+                                  stdin=subprocess.DEVNULL)
+    assert cli.returncode == 2 and "no running VM of pod default/logs-0 with a serial console" in cli.stderr, cli

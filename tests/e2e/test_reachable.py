@@ -2,7 +2,8 @@
 guest image, three pods get three different real addresses from their hosts' pools, each answers
 HTTP from this machine on its podIP, hostIP and the Node's InternalIP are the host's address, a
 hibernate/wake keeps the pod's address (and the guest's RAM), ``kubectl logs`` prints the guest's
-console and ``--previous`` the boot before a kill, and deleting the pods leaves no tap, no address
+console and ``--previous`` the boot before a kill, ``vmfence console`` reaches the guest's shell, and
+deleting the pods leaves no tap, no address
 reservation and no snapshot behind.
 
 Cost: three TCG guests boot at once on two cores (about 20-40 s), one hibernate and wake, the
@@ -16,6 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -146,6 +148,30 @@ async def test_pods_get_real_addresses_that_answer_and_leave_nothing_behind(qenv
     now = await kubectl(env, "logs", "r1", "-n", NS)
     assert ready_line not in now.stdout and "VMFENCE-READY" in now.stdout, now  # a new boot, a new token
     assert await get(ips["r1"]) == "ok"
+
+    # vmfence console: the guest's shell on its serial console, through the agent; Ctrl-] detaches
+    kc = env.stack.kubeconfig_path
+    assert kc is not None
+    cli = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "console", f"{NS}/r2", "--kubeconfig", kc,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert cli.stdin is not None and cli.stdout is not None
+    try:
+        cli.stdin.write(b"\necho console-$((6*7))\n")
+        await cli.stdin.drain()
+        seen = b""
+        async with asyncio.timeout(20):
+            while b"console-42" not in seen:
+                seen += await cli.stdout.read(4096) or b""
+        cli.stdin.write(b"\x1d")
+        await cli.stdin.drain()
+        async with asyncio.timeout(10):
+            _, err = await cli.communicate()
+        assert cli.returncode == 0 and b"detached" in err, (cli.returncode, err)
+    finally:
+        if cli.returncode is None:
+            cli.kill()
+            await cli.wait()
 
     for n in names:
         await env.core.delete_namespaced_pod(n, NS)

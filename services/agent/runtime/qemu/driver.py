@@ -68,7 +68,7 @@ from .accel import AccelProbe
 from .disks import Disks, overlay
 from .files import DIR_MODE, image_files, is_our_qemu, private_dir, private_file, read_pidfile
 from .migration import Migration, snapshot_disk
-from .process import VM, Qemu, Record, read_record
+from .process import VM, Qemu, Record, console_pty, read_record
 
 log = logging.getLogger("vmfence.agent.runtime.qemu")
 
@@ -559,6 +559,14 @@ class QemuDriver:
             except (RuntimeFailure, Inconclusive):
                 return False
         return await tcp_probe("127.0.0.1", vm.record.probe_host_port, self.probe_request, self.probe_timeout)
+
+    async def console(self, vm_id: str) -> str | None:
+        """The pty of the running VM's serial console (None: not running, or no pty)."""
+        check_vm_id(vm_id)
+        vm = await self._known(vm_id)
+        if vm is None or vm.state == "exited" or not self._qemu.alive(vm):
+            return None
+        return await console_pty(self._qemu, vm)
 
     # ------------------------------------------------------------------ test/diagnostic helpers
     def vm_dir(self, vm_id: str) -> str:

@@ -85,6 +85,22 @@ def free_tcp_port() -> int:
 
 
 
+async def console_pty(qemu: Qemu, vm: VM) -> str | None:
+    """The pty of the VM's serial console (QMP query-chardev), made the agent user's alone."""
+    try:
+        devices = await qemu.qmp(vm, "query-chardev")
+    except (RuntimeFailure, Inconclusive):
+        return None
+    for dev in devices or []:
+        name = str(dev.get("filename", ""))
+        if dev.get("label") == "ser0" and name.startswith("pty:"):
+            path = name[4:]
+            with contextlib.suppress(OSError):
+                os.chmod(path, FILE_MODE)  # a pty is group tty writable by default: the guest's root shell
+            return path
+    return None
+
+
 @dataclass(eq=False)
 class VM:
     vm_id: str
@@ -159,7 +175,10 @@ class Qemu:
             "-chardev", f"socket,id=qmp0,fd={qmp_fd},server=on,wait=off",
             "-mon", "chardev=qmp0,mode=control",
             "-pidfile", os.path.join(d, "qemu.pid"),
-            "-serial", f"file:{os.path.join(d, 'serial.log')}",
+            # the serial console: a pty (vmfence console attaches to it) whose every byte is also
+            # logged to serial.log (kubectl logs), whether or not anybody is attached
+            "-chardev", f"pty,id=ser0,logfile={os.path.join(d, 'serial.log')}",
+            "-serial", "chardev:ser0",
             "-debugcon", f"file:{os.path.join(d, 'firmware.log')}",
             "-global", "isa-debugcon.iobase=0x402",
             "-drive", f"file={overlay(d)},format=qcow2,if=virtio,id=disk0",
