@@ -160,6 +160,9 @@ class Ledger:
     _marks: dict[str, int] = field(default_factory=dict, init=False, repr=False)
     _mark_uids: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _removed: dict[str, Tombstone] = field(default_factory=dict, init=False, repr=False)
+    # the addresses held (resource -> (vm_id, uid, epoch)): a mirror of the ``ip`` reservations every
+    # write below keeps, so an allocation never reads thousands of rows
+    _ips: dict[str, tuple[str, str, int]] = field(default_factory=dict, init=False, repr=False)
     _tx_lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
     # why the last write failed (None: the last write took). Set and cleared by every write, and by
     # probe_write(), which the heartbeat calls so a healed disk is noticed without a command.
@@ -191,6 +194,10 @@ class Ledger:
             columns = [row[1] async for row in cur]
         if "secret" not in columns:  # a ledger from before VNC displays had passwords
             await db.execute("ALTER TABLE reservations ADD COLUMN secret TEXT")
+        async with db.execute("SELECT resource, vm_id, uid, epoch FROM reservations WHERE kind = ?",
+                              (ADDRESS_KIND,)) as cur:
+            async for resource, vid, uid, epoch in cur:
+                self._ips[str(resource)] = (str(vid), str(uid), int(epoch))
         async with db.execute("SELECT key, epoch, uid FROM key_marks") as cur:
             async for key, epoch, uid in cur:
                 self._marks[key] = int(epoch)
@@ -395,9 +402,18 @@ class Ledger:
             )
         if put is not None:
             self._vms[put.vm_id] = put
+            for c in claim:
+                kind, resource, _ = Claim(*c)
+                if kind == ADDRESS_KIND and resource not in self._ips:
+                    self._ips[resource] = (put.vm_id, put.fence.uid, put.fence.epoch)
+        if transfer_to is not None:
+            for ip, (vid, _, _) in list(self._ips.items()):
+                if vid == result.vm_id:
+                    self._ips[ip] = (vid, transfer_to.uid, transfer_to.epoch)
         if bury is not None:
             self._vms.pop(result.vm_id, None)
             self._removed[result.vm_id] = Tombstone(result.vm_id, bury[0], bury[1], now)
+            self._forget_ips(result.vm_id, bury[0], bury[1])
 
     async def bury(self, vm_id: str, reason: str, owner: Fence) -> None:
         """Tombstone a vm_id outside a command (the runtime lost it, cleanup on stop)."""
@@ -406,14 +422,27 @@ class Ledger:
             await _bury(db, vm_id, reason, owner, now)
         self._vms.pop(vm_id, None)
         self._removed[vm_id] = Tombstone(vm_id, reason, owner, now)
+        self._forget_ips(vm_id, reason, owner)
+
+    def _forget_ips(self, vm_id: str, reason: str, owner: Fence) -> None:
+        """The mirror of what _bury released: the owner's addresses, unless the VM hibernated."""
+        if reason == "hibernated":
+            return
+        for ip, holder in list(self._ips.items()):
+            if holder == (vm_id, owner.uid, owner.epoch):
+                del self._ips[ip]
 
     async def reserve(self, kind: str, resource: str, vm_id: str, owner: Fence) -> None:
         """Claim a resource for ``(vm_id, owner)``; idempotent for that owner, else a conflict."""
         async with self._tx() as db:
             await _claim(db, kind, resource, vm_id, owner, time.time())
+        if kind == ADDRESS_KIND:
+            self._ips[resource] = (vm_id, owner.uid, owner.epoch)
 
     async def held(self, kind: str) -> dict[str, tuple[str, str, int]]:
         """Every ``kind`` reservation: resource -> ``(vm_id, uid, epoch)``."""
+        if kind == ADDRESS_KIND:
+            return dict(self._ips)
         async with self.db.execute(
             "SELECT resource, vm_id, uid, epoch FROM reservations WHERE kind = ?", (kind,)
         ) as cur:
@@ -429,7 +458,10 @@ class Ledger:
                 "WHERE kind = ? AND resource = ? AND vm_id = ? AND uid = ? AND epoch = ?",
                 (tvm, tf.uid, tf.epoch, time.time(), kind, resource, fvm, ff.uid, ff.epoch),
             )
-            return (cur.rowcount or 0) > 0
+            moved = (cur.rowcount or 0) > 0
+        if moved and kind == ADDRESS_KIND:
+            self._ips[resource] = (tvm, tf.uid, tf.epoch)
+        return moved
 
     async def release(self, kind: str, resource: str, vm_id: str, owner: Fence) -> bool:
         """Free a resource; only its owner ``(vm_id, uid, epoch)`` may. False if already free."""
@@ -447,6 +479,8 @@ class Ledger:
                     f"{vm_id}/{owner.uid}/{owner.epoch} may not release it"
                 )
             await db.execute("DELETE FROM reservations WHERE kind = ? AND resource = ?", (kind, resource))
+        if kind == ADDRESS_KIND:
+            self._ips.pop(resource, None)
         return True
 
 

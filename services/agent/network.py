@@ -29,7 +29,7 @@ The shape (issue 12 §1, DESIGN rule 9):
 - **Other modes.** ``--network user`` keeps QEMU user-mode networking (no bridge, no address: the
   VM's status reports none instead of QEMU's 10.0.2.15, the same inside every guest); ``--network
   none`` gives VMs no NIC. The ``sim`` runtime allocates from the pool too (no bridge, no taps), by
-  default out of 127.240.0.0/16: its VMs live in the agent's process, and whatever connects to their
+  a /16 each out of 127.128.0.0/9: its VMs live in the agent's process, and whatever connects to their
   addresses (probes) stays on loopback instead of leaving by the default route.
 """
 
@@ -70,7 +70,8 @@ NETWORK_MODES: tuple[NetworkMode, ...] = ("bridge", "user", "none")
 DEFAULT_POD_CIDR_POOL = "10.240.0.0/16"
 # the sim's VMs live in the agent's process: their addresses are loopback ones (127/8 is all local on
 # Linux), so whatever probes or connects to them stays on this machine
-SIM_POD_CIDR_POOL = "127.240.0.0/16"
+SIM_POD_CIDR_POOL = "127.128.0.0/9"
+SIM_HOST_PREFIX = 16  # a sim host runs thousands of VMs in the scale benches: 65 533 addresses each
 HOST_PREFIX = 24  # the /24 an agent leases out of the pool
 IFNAMSIZ = 15
 NETWORK_FILE = "network.json"
@@ -154,9 +155,15 @@ class AddressPool:
         """The first address not in ``taken``, starting after ``after`` (round robin: a released
         address is the last to be handed out again), None when every one is taken."""
         held = set(taken)
-        addrs = list(self.addresses())
-        start = addrs.index(after) + 1 if after in addrs else 0
-        for a in addrs[start:] + addrs[:start]:
+        first = int(self.subnet.network_address) + 2
+        n = self.size
+        if n <= 0:
+            return None
+        start = 0
+        if after is not None and after in self:
+            start = int(ipaddress.IPv4Address(after)) - first + 1
+        for k in range(n):
+            a = str(ipaddress.IPv4Address(first + (start + k) % n))
             if a not in held:
                 return a
         return None
@@ -166,11 +173,12 @@ class AddressPool:
                          tap=tap, bridge=bridge)
 
 
-def candidate_subnets(pool: ipaddress.IPv4Network, host: str) -> list[ipaddress.IPv4Network]:
-    """The /24s of ``pool`` in the order an agent named ``host`` tries them."""
-    if pool.prefixlen > HOST_PREFIX:
+def candidate_subnets(pool: ipaddress.IPv4Network, host: str,
+                      prefix: int = HOST_PREFIX) -> list[ipaddress.IPv4Network]:
+    """The /24s (``prefix``) of ``pool`` in the order an agent named ``host`` tries them."""
+    if pool.prefixlen >= prefix:
         return [pool]
-    subs = list(pool.subnets(new_prefix=HOST_PREFIX))
+    subs = list(pool.subnets(new_prefix=prefix))
     start = fnv1a(host) % len(subs)
     return subs[start:] + subs[:start]
 
@@ -202,6 +210,7 @@ class HostNetwork:
     subnet: ipaddress.IPv4Network | None = None  # explicit --pod-cidr
     pool_cidr: ipaddress.IPv4Network = field(default_factory=lambda: parse_cidr(DEFAULT_POD_CIDR_POOL))
     taps: bool = True  # make a bridge and taps (qemu); the sim allocates addresses only
+    host_prefix: int = HOST_PREFIX  # the size of the subnet leased out of pool_cidr
     pool: AddressPool | None = field(default=None, init=False)
     bridge: str = field(default="", init=False)
     _lease_fd: int | None = field(default=None, init=False, repr=False)
@@ -232,12 +241,12 @@ class HostNetwork:
                 raise NetworkError(f"pod subnet {chosen}: {why}")
         else:
             chosen = None
-            for cand in candidate_subnets(self.pool_cidr, self.host):
+            for cand in candidate_subnets(self.pool_cidr, self.host, self.host_prefix):
                 if self._unusable(cand, theirs) is None:
                     chosen = cand
                     break
             if chosen is None:
-                raise NetworkError(f"no free /{HOST_PREFIX} left in --pod-cidr-pool {self.pool_cidr}")
+                raise NetworkError(f"no free /{self.host_prefix} left in --pod-cidr-pool {self.pool_cidr}")
         self.pool = AddressPool(chosen)
         self._save()
         if self.taps:
@@ -385,6 +394,7 @@ __all__ = [
     "DEFAULT_POD_CIDR_POOL",
     "NETWORK_FILE",
     "NETWORK_MODES",
+    "SIM_HOST_PREFIX",
     "SIM_POD_CIDR_POOL",
     "AddressPool",
     "HostNetwork",

@@ -46,6 +46,8 @@ from services.agent.logs import cmd_fields, fence_fields
 from services.agent.metrics import AgentMetrics
 from services.agent.network import (
     DEFAULT_POD_CIDR_POOL,
+    HOST_PREFIX,
+    SIM_HOST_PREFIX,
     SIM_POD_CIDR_POOL,
     HostNetwork,
     NetworkError,
@@ -196,11 +198,14 @@ class Agent:
         self._health: HealthServer | None = None
         self._task: asyncio.Task[None] | None = None
         self._kv: KeyValue | None = None
+        # the sim's VMs are in this process: a loopback pool (unless one is given), large enough for
+        # the thousands of VMs a scale bench puts on one sim host
+        sim_pool = config.runtime == "sim" and config.pod_cidr_pool == DEFAULT_POD_CIDR_POOL
         self.network = HostNetwork(
             mode=config.network, data_dir=config.data_dir, host=config.host,  # type: ignore[arg-type]
             subnet=parse_cidr(config.pod_cidr) if config.pod_cidr else None,
-            pool_cidr=parse_cidr(SIM_POD_CIDR_POOL if config.runtime == "sim" and config.pod_cidr_pool ==
-                                 DEFAULT_POD_CIDR_POOL else config.pod_cidr_pool), taps=config.runtime == "qemu",
+            pool_cidr=parse_cidr(SIM_POD_CIDR_POOL if sim_pool else config.pod_cidr_pool),
+            taps=config.runtime == "qemu", host_prefix=SIM_HOST_PREFIX if sim_pool else HOST_PREFIX,
         )
         self.collector: Collector | None = None
         self.kubelet: KubeletServer | None = None

@@ -76,7 +76,13 @@ def exists(path: str) -> bool:
 
 
 async def held(h: Host) -> dict[str, tuple[str, str, int]]:
-    return await h.ledger.held(ADDRESS_KIND)
+    """The ledger's addresses (its in-memory mirror), checked against its file."""
+    mirror = await h.ledger.held(ADDRESS_KIND)
+    async with h.ledger.db.execute("SELECT resource, vm_id, uid, epoch FROM reservations WHERE kind = ?",
+                                   (ADDRESS_KIND,)) as cur:
+        rows = {str(r): (str(v), str(u), int(e)) async for r, v, u, e in cur}
+    assert mirror == rows, "the address mirror drifted from the ledger file"
+    return mirror
 
 
 # ------------------------------------------------------------------------------ the pool (pure)
@@ -96,6 +102,17 @@ def test_pool_gateway_addresses_and_round_robin() -> None:
     att = pool.attach("10.1.2.4")
     assert (att.ip, att.prefix, att.gateway, att.mac) == ("10.1.2.4", 29, "10.1.2.1", "02:76:0a:01:02:04")
     assert mac_for("10.1.2.4") != mac_for("10.1.2.5")
+
+
+def test_a_big_pool_picks_fast_and_in_order() -> None:
+    pool = AddressPool(ipaddress.IPv4Network("127.1.0.0/16"))
+    held: set[str] = set()
+    last = None
+    for _ in range(3000):  # as a scale bench's allocations: each is O(1) while addresses are free
+        last = pool.pick(held, after=last)
+        assert last is not None and last not in held
+        held.add(last)
+    assert last == "127.1.11.185"  # .2 + 2999
 
 
 def test_candidate_subnets_are_the_pool_s_24s_from_a_slot_of_the_host() -> None:
@@ -302,4 +319,5 @@ async def test_a_sim_agent_s_addresses_are_loopback_ones(make_config: Any, nc: A
     async with Agent(cfg, driver=sim_driver(cfg)) as agent:
         assert agent.network.pool is not None
         assert agent.network.pool.subnet.subnet_of(ipaddress.IPv4Network("127.0.0.0/8"))
+        assert agent.network.pool.size == 65533  # a scale bench puts thousands of VMs on a sim host
         assert agent.host_ip is None  # no interface has the sim's gateway
