@@ -201,9 +201,19 @@ class ContainerOracle(Oracle):
     def __init__(self, ids: dict[str, str]) -> None:
         super().__init__(ROOT, "qemu")
         self.ids = ids
+        self.last: list[SeenVM] = []
 
     def scan(self) -> list[SeenVM]:
-        return scan_containers(self.ids)
+        self.last = scan_containers(self.ids)
+        return self.last
+
+    def sample(self) -> None:
+        """The base sample; an overlap it records also names each VM's host."""
+        before = len(self.worst)
+        super().sample()
+        if len(self.worst) > before:
+            where = {vm.vm_id: vm.host for vm in self.last}
+            self.worst[before:] = [f"{line} on {where}" for line in self.worst[before:]]
 
 
 # ------------------------------------------------------------------------------- the campaign
@@ -444,6 +454,17 @@ class ComposeChaos(ProcessChaos):
                 out[key] = msgspec.json.decode(msg.data, type=LeaseValue).owner
         return out
 
+    async def settled_holders(self, within_s: float = 20.0) -> dict[str, str]:
+        """The lease holders once every partition has one (right after a NATS node's kill or cut
+        the bucket's stream may not answer for a moment; a fault on "the reconciler that holds
+        leases" must see them)."""
+        deadline = time.monotonic() + within_s
+        holders = await self.lease_holders()
+        while sum(k.isdigit() for k in holders) < PARTITIONS and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+            holders = await self.lease_holders()
+        return holders
+
     @staticmethod
     def _held_by(holders: dict[str, str], reconciler: str) -> set[str]:
         return {p for p, owner in holders.items() if owner == reconciler or owner.startswith(reconciler + ":")}
@@ -452,7 +473,7 @@ class ComposeChaos(ProcessChaos):
         if fault.target in SERVICES:
             return fault.target
         if fault.target == "reconciler" and fault.kind in ("partition", "pause"):
-            holders = await self.lease_holders()  # the one holding leases: the old owner of the story
+            holders = await self.settled_holders()  # the one holding leases: the old owner of the story
             held = {r: len(self._held_by(holders, r)) for r in RECONCILERS}
             best = max(held.values())
             return self.rng.choice(sorted(r for r, n in held.items() if n == best))
@@ -496,7 +517,7 @@ class ComposeChaos(ProcessChaos):
         victim = await self._victim(fault)
         kind = kind_of(victim)
         name = container(victim, self.project)
-        t = f"{time.monotonic() - self._t0:.1f}s"
+        t = f"{time.monotonic() - self._t0:.1f}s (t={time.time():.1f})"
         if fault.kind == "kill":
             down_s = self.rng.uniform(0.5, 3.0)
             await self.podman("kill", name)
@@ -511,7 +532,7 @@ class ComposeChaos(ProcessChaos):
             net, what = {"agent": ("bus", "agent-from-nats"), "nats": ("routes", "nats-from-peers"),
                          "reconciler": ("bus", "reconciler-from-nats")}[kind]
             alias = f"{victim}-route" if kind == "nats" else victim
-            held = self._held_by(await self.lease_holders(), victim) if kind == "reconciler" else set()
+            held = self._held_by(await self.settled_holders(), victim) if kind == "reconciler" else set()
             hold_s = self.rng.uniform(LEASE_TTL_S + 3, LEASE_TTL_S + 8) if kind == "reconciler" else \
                 self.rng.uniform(3.0, 9.0)
             await self.podman("network", "disconnect", network(net, self.project), name)
@@ -527,7 +548,7 @@ class ComposeChaos(ProcessChaos):
             await self.podman("network", "connect", "--alias", alias, network(net, self.project), name)
             await self._restarted(victim, "partition")
             return
-        held = self._held_by(await self.lease_holders(), victim) if kind == "reconciler" else set()
+        held = self._held_by(await self.settled_holders(), victim) if kind == "reconciler" else set()
         pause_s = self.rng.uniform(LEASE_TTL_S + 3, LEASE_TTL_S + 8)
         await self.podman("pause", name)
         t_cut = time.monotonic()
@@ -729,9 +750,12 @@ class ComposeChaos(ProcessChaos):
             "commands": self.commands,
             "notes": self.notes[:20],
         })
+        # Two VMs of one key's two incarnations may overlap here (the predecessor's host cut off or
+        # paused while the successor starts elsewhere): reported with hosts and times, not a failure.
+        # Two VMs of one incarnation are.
         broken = bool(
             violations or result.get("leaked_vms") or result.get("lost_inputs") or result.get("pods_without_vm")
-            or result["max_vms_per_key"] > 1 or result["max_vms_per_incarnation"] > 1 or not result.get("quiesced")
+            or result["max_vms_per_incarnation"] != 1 or not result.get("quiesced")
         )  # fmt: skip
         result["ok"] = ok and not broken
         return result
