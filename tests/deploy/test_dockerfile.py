@@ -1,4 +1,4 @@
-"""deploy/Dockerfile, read rather than built (no container engine in CI)."""
+"""deploy/Dockerfile, read (tests/deploy/test_compose_run.py builds it with `make images` and runs it)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,28 @@ def test_copied_paths_exist() -> None:
         *sources, _dest = a.split()
         for src in sources:
             assert (REPO / src).exists(), f"COPY {src}: not in the repository"
+
+
+def test_builds_on_debians_python_too() -> None:
+    """The debootstrap base of `make images` has Debian's python3 without pip: the build stage makes
+    a venv (python3-venv installed only when missing), the runtime stage skips apt when the base
+    already has the packages, and the console script comes from the venv on PATH."""
+    ins = instructions()
+    runs = [a for op, a in ins if op == "RUN"]
+    assert any("python3 -m venv /opt/vmfence" in r and "python3-venv" in r for r in runs)
+    assert any("dpkg -s qemu-system-x86" in r for r in runs), "apt only when the packages are missing"
+    envs = " ".join(a for op, a in ins if op == "ENV")
+    assert "PATH=/opt/vmfence/bin:$PATH" in envs
+    assert any(op == "COPY" and a.startswith("--from=build /opt/vmfence") for op, a in ins)
+
+
+def test_the_ca_bundle_is_a_build_secret_never_a_layer() -> None:
+    """pip trusts the CA of a TLS-intercepting proxy through `--secret id=pip-ca`, mounted for the
+    pip step only; nothing copies a certificate or sets PIP_CERT in the image."""
+    ins = instructions()
+    pip_runs = [a for op, a in ins if op == "RUN" and "pip install" in a and "--no-deps" not in a]
+    assert pip_runs and all(a.startswith("--mount=type=secret,id=pip-ca") for a in pip_runs)
+    assert not any(op == "ENV" and "PIP_CERT" in a for op, a in ins)
+    assert not any(op in ("COPY", "ADD") and (".crt" in a or ".pem" in a) for op, a in ins)
+    script = (REPO / "scripts" / "build-images.sh").read_text()
+    assert "--secret id=pip-ca,src=" in script
