@@ -3,7 +3,8 @@ in k8s.io/kubernetes v1.35 pkg/apis/core/validation/validation.go, plus the type
 body goes through first), so a status the real server would refuse fails here too — and with it the
 test that wrote it. What it checks:
 
-- decoding (400 BadRequest, as a body that does not decode into a v1 Pod): ``status`` an object;
+- decoding (a body that does not decode into a v1 Pod: 400 BadRequest for an update, 422 Invalid
+  naming the patch for a patch, as the real server answers each): ``status`` an object;
   ``phase``, ``reason``, ``message``, ``podIP``, ``hostIP`` strings; ``conditions`` objects with a
   string ``type`` and ``status``; ``containerStatuses`` objects with a string ``name``, a boolean
   ``ready`` / ``started``, an integer ``restartCount``, a ``state`` (and ``lastState``) object whose
@@ -11,8 +12,9 @@ test that wrote it. What it checks:
   (``lastTransitionTime``, ``lastProbeTime``, ``startTime``, ``startedAt``, ``finishedAt``)
   RFC 3339 or null;
 - validation (422 Invalid): a condition type that is not one of PodScheduled/Ready/Initialized is a
-  qualified name; ``observedGeneration`` is not negative; every new ``podIPs``/``hostIPs`` entry
-  is a valid IP in canonical form (existing ones may stay), at most one per family; ``hostIP``
+  qualified name; ``observedGeneration`` is not negative; every ``podIPs``/``hostIPs`` entry
+  is a valid IP (legacy forms such as leading zeros are accepted, as the real server does), at
+  most one per family; ``hostIP``
   equals ``hostIPs[0].ip``; ``qosClass`` is immutable; with ``restartPolicy`` Never (or OnFailure
   and exit code 0) a terminated container may not go back to a non-terminated state.
 
@@ -131,21 +133,33 @@ def _decode(status: Any) -> None:
                                "ContainerStateTerminated.exitCode", "int32", ec)
 
 
+_LEGACY_V4 = re.compile(r"^([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})$")
+
+
+def _legacy_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """An IP as Kubernetes' legacy fields parse it (ParseIPSloppy: IPv4 octets with leading zeros
+    are accepted, as decimal), or None."""
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        m = _LEGACY_V4.fullmatch(text)
+        if m and all(int(o) <= 255 for o in m.groups()):
+            return ipaddress.IPv4Address(".".join(str(int(o)) for o in m.groups()))
+        return None
+
+
 def _ips(field: str, new: list[Any], old: list[Any]) -> list[tuple[str, str]]:
+    """Every entry a valid IP (the real server accepts non-canonical legacy forms with a warning),
+    at most one per family."""
     errors: list[tuple[str, str]] = []
-    existing = {str(i.get("ip")) for i in old if isinstance(i, dict)}
     families = []
     for n, item in enumerate(new):
         text = item["ip"]
-        try:
-            addr = ipaddress.ip_address(text)
-        except ValueError:
+        addr = _legacy_ip(text)
+        if addr is None:
             errors.append((f"status.{field}[{n}]", f'Invalid value: "{text[:64]}": must be a valid IP address, '
                                                    '(e.g. 10.9.8.7 or 2001:db8::ffff)'))
             continue
-        if str(addr) != text and text not in existing:
-            errors.append((f"status.{field}[{n}]",
-                           f'Invalid value: "{text[:64]}": must be in canonical form ("{addr}")'))
         families.append(addr.version)
     if len(new) > 2 or (len(families) == 2 and families[0] == families[1]):
         errors.append((f"status.{field}", "Invalid value: may specify no more than one IP for each IP family"))

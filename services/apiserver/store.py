@@ -548,9 +548,9 @@ class Store:
         if nm.get("name") != name or (rt.namespaced and nm.get("namespace") != namespace):
             raise ApiError(400, "a patch may not change the name or namespace", "BadRequest")
         self.check_preconditions(rt, cur, nm.get("uid"), nm.get("resourceVersion"))
-        return self._write(rt, cur, new, subresource)
+        return self._write(rt, cur, new, subresource, patching=True)
 
-    def _write(self, rt: ResourceType, cur: Obj, body: Obj, subresource: str | None) -> Obj:
+    def _write(self, rt: ResourceType, cur: Obj, body: Obj, subresource: str | None, patching: bool = False) -> Obj:
         """Shared tail of update and patch: keep server-owned fields, bump generation, commit."""
         cm = meta(cur)
         if subresource == "status":
@@ -560,7 +560,7 @@ class Store:
             else:
                 new.pop("status", None)
             if rt.kind == "Pod" and rt.group == "":
-                self._validate_pod_status(rt, cur, new)
+                self._validate_pod_status(rt, cur, new, patching)
         elif subresource is not None:
             raise ApiError(405, f"subresource {subresource!r} does not support this verb", "MethodNotAllowed")
         else:
@@ -614,12 +614,15 @@ class Store:
         return self._commit(rt, "MODIFIED", new, cur)
 
     @staticmethod
-    def _validate_pod_status(rt: ResourceType, cur: Obj, new: Obj) -> None:
-        """As the real server: 400 for a status that does not decode, 422 for one it refuses."""
+    def _validate_pod_status(rt: ResourceType, cur: Obj, new: Obj, patching: bool) -> None:
+        """As the real server: a status that does not decode is 400 for an update and 422 (naming
+        the patch) for a patch; a status it refuses is 422 with its field errors."""
         name = meta(cur).get("name", "")
         try:
             errors = podstatus.validate(new, cur)
         except podstatus.StatusDecodeError as exc:
+            if patching:
+                raise ApiError(422, f' "" is invalid: patch: Invalid value: "...": {exc}', "Invalid") from exc
             raise ApiError(400, str(exc), "BadRequest") from exc
         if errors:
             raise invalid(rt, name, errors[0][0], errors[0][1], errors)
