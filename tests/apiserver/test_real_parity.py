@@ -62,6 +62,17 @@ async def _answers(api: client.ApiClient) -> list[tuple[str, object]]:
         ("bind", await _raw(core.create_namespaced_pod_binding, "d1", NS, binding("vmfence-x"))),
         ("bind a bound pod", await _raw(core.create_namespaced_pod_binding, "d1", NS, binding("vmfence-y"))),
     ]
+    out.append(("bind a missing pod", await _raw(core.create_namespaced_pod_binding, "nope", NS,
+                                                 {**binding("vmfence-x"), "metadata": {"name": "nope"}})))
+    held = {"metadata": {"name": "held", "finalizers": ["example.com/hold"]},
+            "spec": {"containers": [{"name": "main", "image": "busybox"}]}}
+    await core.create_namespaced_pod(NS, held)
+    await core.delete_namespaced_pod("held", NS)
+    out.append(("bind a deleting pod", await _raw(core.create_namespaced_pod_binding, "held", NS,
+                                                  {**binding("vmfence-x"), "metadata": {"name": "held"}})))
+    await core.patch_namespaced_pod("held", NS, {"metadata": {"finalizers": None}}, _content_type=MERGE)
+    out.append(("bind with another name", await _raw(core.create_namespaced_pod_binding, "d1", NS,
+                                                     {**binding("vmfence-x"), "metadata": {"name": "other"}})))
     gw = K8sGateway(api, host_ip=lambda host: "192.168.50.1")
     for n, intent in enumerate(INTENTS):
         done = await gw.write(Key("pod", NS, "d1"), KubeWrite(f"w{n}", "status", Fence(f"{NS}/d1", uid, 1),
