@@ -398,8 +398,10 @@ async def up(args: argparse.Namespace) -> int:
         if args.kubeconfig is not None:
             raise StackConfigError("--kubeconfig names a cluster; --control-plane kube starts one: give one of them")
         binaries()  # KubeUnavailable (one line: not built, or why the build failed) before anything starts
+    # host_cpus/host_memory_mib 0: each agent offers its host's real CPUs and memory (minus the
+    # agent's reserve), so the virtual Nodes kubectl shows have the capacity this machine has
     stack = LocalStack(Path(args.dir), runtime=runtime, partitions=16, kubeconfig=args.kubeconfig,
-                       control_plane=getattr(args, "control_plane", "dev"))
+                       control_plane=getattr(args, "control_plane", "dev"), host_cpus=0, host_memory_mib=0)
     stack.lock()  # StackBusy (one line) before anything of another stack's is touched
     _quiet_service_logs(Path(args.dir).parent / f"{Path(args.dir).name}-logs" / "services.log")
     stop = asyncio.Event()

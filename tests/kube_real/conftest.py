@@ -34,6 +34,7 @@ from services.testbed.chaos.processes import scan_qemu
 from services.testbed.kubecp import KubeControlPlane, KubeUnavailable, ServiceCredentials, binaries, start_control_plane
 from services.testbed.stack import LocalStack
 from shared.bus.read import read_stream
+from shared.fence.schema import WriteDone, decode_input
 from shared.tasks import cancel_and_wait
 from tests.e2e.conftest import WAIT_S, Env
 
@@ -41,7 +42,11 @@ ROOT = Path(__file__).resolve().parents[2]
 KUBECTL = ROOT / ".venv" / "tools" / "kubectl"
 TAINT_TOLERATION = {"key": "vmfence.io/vm", "operator": "Exists", "effect": "NoSchedule"}
 NAMESPACE_GONE_S = 90.0
-FORBIDDEN = re.compile(r"\b403\b|Forbidden|forbidden")  # what a permission the chart forgot looks like
+# what a permission the chart forgot looks like in the real server's 403 (RBAC's own wording; a 403
+# of NamespaceLifecycle for an Event in a namespace being deleted is no RBAC denial)
+FORBIDDEN = re.compile(r'cannot [a-z]+ resource "')
+# a write the real server refused as malformed: a status or body the development server took
+REJECTED = re.compile(r"rejected as invalid|^(400|422)\b")
 STARTUP: dict[str, float] = {}  # measured start-up costs, printed in the terminal summary
 _counter = itertools.count(1)
 
@@ -202,6 +207,21 @@ class KubeEnv(Env):
             if pod.status.phase == "Running" and pod.metadata.deletion_timestamp is None:
                 assert key in vms, f"{key} is Running with no VM"
 
+    async def explain(self, name: str, last: int = 12) -> str:
+        """The pod as the API server has it and the last decisions of its key: a failure message."""
+        pod = await self.get(name)
+        lines = [f"pod {self.ns}/{name}: " + ("gone" if pod is None else
+                 f"uid {pod.metadata.uid} node {pod.spec.node_name} phase {pod.status.phase} "
+                 f"deleting {pod.metadata.deletion_timestamp} finalizers {pod.metadata.finalizers} "
+                 f"annotations {pod.metadata.annotations}")]
+        with contextlib.suppress(Exception):
+            entries = [r.entry for r in await self.records() if r.entry.key == f"{self.ns}/{name}"]
+            for e in entries[-last:]:
+                lines.append(f"  #{e.n} {e.input}: " + ", ".join(
+                    f"{type(d).__name__}({getattr(d, 'reason', '') or getattr(d, 'outcome', '') or ''})"
+                    for d in e.decisions))
+        return "\n".join(lines)
+
     def kubectl(self, *args: str, as_user: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         kc = str(self.cp.admin_kubeconfig) if as_user is None else str(self.creds.kubeconfigs[as_user])
         return subprocess.run([str(KUBECTL), "--kubeconfig", kc, "-n", self.ns, *args],
@@ -231,14 +251,21 @@ class ForbiddenLog(logging.Handler):
 
 
 async def refused_requests(stack: LocalStack, handler: ForbiddenLog) -> list[str]:
-    """The requests the API server refused to vmfence's services: every write result the reconcilers
-    reported into VMFENCE_IN (a failed write's detail holds the API server's answer), their log files
-    and the in-process watcher's records. Under the chart's RBAC any of them is a permission it forgot."""
+    """The requests the API server refused to vmfence's services: every failed write the reconcilers
+    reported into VMFENCE_IN (its detail holds the API server's answer) that RBAC denied or that the
+    server rejected as invalid, and RBAC denials in the reconcilers' logs and the in-process watcher's
+    records. Under the chart's RBAC a denial is a permission it forgot; a rejected write is a status
+    or body vmfence must write the way the real server validates it."""
     lines = list(handler.lines)
     assert stack.bus is not None
     async for m in read_stream(stack.bus.js, stack.subjects.stream_in):
-        if b"write_done" in m.data and FORBIDDEN.search(text := m.data.decode(errors="replace")):
-            lines.append(f"{m.subject}: {text[:300]}")
+        if b"write_done" not in m.data:
+            continue
+        with contextlib.suppress(Exception):
+            done = decode_input(m.data)
+            if isinstance(done, WriteDone) and done.outcome == "failed" and (
+                    FORBIDDEN.search(done.detail or "") or REJECTED.search(done.detail or "")):
+                lines.append(f"{done.fence.key} write {done.write_id}: {(done.detail or '')[:300]}")
     for path in sorted((stack.root / "logs").glob("reconciler-*.log")):
         with contextlib.suppress(OSError):
             lines += [f"{path.name}: {line[:300]}" for line in path.read_text(errors="replace").splitlines()
@@ -304,7 +331,7 @@ async def kube_env(control_plane: tuple[KubeControlPlane, ServiceCredentials], r
                 await cancel_and_wait([oracle], what="oracle")
         assert leftover is None, leftover
         forgotten = await refused_requests(stack, refused)
-        assert not forgotten, "requests of vmfence's services refused under the chart's RBAC:\n" + "\n".join(forgotten)
+        assert not forgotten, "requests of vmfence's services refused by the real API server:\n" + "\n".join(forgotten)
     finally:
         logging.getLogger().removeHandler(refused)
         t2 = time.monotonic()
