@@ -381,14 +381,17 @@ class Executor:
         return replace(row, state=info.state, pid=info.pid, vnc_display=info.vnc_display,
                        probe_host_port=info.probe_host_port, ip=info.ip, **changes)  # type: ignore[arg-type]
 
-    @staticmethod
-    def claims(info: VMInfo) -> list[Claim]:
-        """The reservations the runtime gave the VM (rule 9); a VNC display with its password."""
+    def claims(self, info: VMInfo) -> list[Claim]:
+        """The reservations the runtime gave the VM (rule 9); a VNC display with its password, and
+        its address on the pod network (a VM adopted without a ledger row keeps the one it runs with)."""
         out = []
         if info.vnc_display is not None:
             out.append(Claim("vnc", str(info.vnc_display), info.vnc_password))
         if info.probe_host_port is not None:
             out.append(Claim("port", str(info.probe_host_port)))
+        net = self.network
+        if info.ip is not None and net is not None and net.pool is not None and info.ip in net.pool:
+            out.append(Claim(ADDRESS_KIND, info.ip))
         return out
 
     # ------------------------------------------------------------------ runtime events

@@ -321,3 +321,25 @@ async def test_a_sim_agent_s_addresses_are_loopback_ones(make_config: Any, nc: A
         assert agent.network.pool.subnet.subnet_of(ipaddress.IPv4Network("127.0.0.0/8"))
         assert agent.network.pool.size == 65533  # a scale bench puts thousands of VMs on a sim host
         assert agent.host_ip is None  # no interface has the sim's gateway
+
+
+async def test_a_vm_adopted_without_a_ledger_row_keeps_its_address_reserved(tmp_path: Path) -> None:
+    """The ledger was lost (replaced): a VM the runtime still runs is adopted with the address it has,
+    so a new VM never gets it."""
+    h = await open_host(tmp_path / "a", cidr="10.97.0.0/29")
+    try:
+        r, _ = await h.executor.execute(command("create", "keep-1", fence(1)))
+        assert r.outcome == "ok" and r.ip
+        await h.ledger.close()
+        os.unlink(h.ledger.path)  # the ledger is gone; the VM runs on
+        fresh = Ledger(h.ledger.path)
+        await fresh.open()
+        h.ledger = fresh
+        h.executor.ledger = fresh
+        a, _ = await h.executor.execute(command("adopt", "keep-1", fence(2)))
+        assert a.outcome == "ok" and a.ip == r.ip, a
+        assert (await held(h))[r.ip] == ("keep-1", "uid-2", 2)
+        other, _ = await h.executor.execute(command("create", "new-1", fence(1, key="default/new")))
+        assert other.outcome == "ok" and other.ip != r.ip
+    finally:
+        await close_host(h)
