@@ -351,6 +351,27 @@ class Executor:
                     return ip
         return None
 
+    async def reserve_runtime_addresses(self) -> int:
+        """At start: the address of every VM the runtime runs that the ledger does not know (a lost
+        or replaced ledger) is reserved for the fence its labels name, before any create could be
+        given it; an adopt then moves it with the VM, a remove releases it. How many were reserved."""
+        net = self.network
+        if net is None or net.pool is None:
+            return 0
+        held = await self.ledger.held(ADDRESS_KIND)
+        n = 0
+        for info in await self.timed(self.driver.list()):
+            owner = labels_fence(info.labels)
+            if (info.ip is None or info.ip not in net.pool or info.ip in held or owner is None
+                    or self.ledger.vm(info.vm_id) is not None):
+                continue
+            await self.ledger.reserve(ADDRESS_KIND, info.ip, info.vm_id, owner)
+            held[info.ip] = (info.vm_id, owner.uid, owner.epoch)
+            n += 1
+            log.warning("address %s of %s (not in the ledger) reserved for its labels' fence", info.ip, info.vm_id,
+                        extra=fence_fields(owner, info.vm_id, event="address_rediscovered"))
+        return n
+
     async def release_address(self, vm_id: str, owner: Fence) -> None:
         """Free the address ``(vm_id, owner)`` holds (its VM is gone); nobody else's."""
         if self.network is None:

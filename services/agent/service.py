@@ -270,6 +270,7 @@ class Agent:
                 network=self.network if self.network.enabled else None,
             )
             self.collector = Collector(self.executor, self.metrics, grace_s=cfg.collect_grace)
+            await self.executor.reserve_runtime_addresses()  # before any command can allocate one
             self.prober = Prober(self.ledger, driver, cfg.host, self._publish_probe,
                                  interval=cfg.probe_interval, timeout=cfg.probe_timeout,
                                  on_liveness_failure=self._liveness_failed)

@@ -336,6 +336,11 @@ async def test_a_vm_adopted_without_a_ledger_row_keeps_its_address_reserved(tmp_
         await fresh.open()
         h.ledger = fresh
         h.executor.ledger = fresh
+        # at start, before the adopt, the address the runtime's VM has is reserved for its labels' fence
+        assert await h.executor.reserve_runtime_addresses() == 1
+        assert (await held(h))[r.ip] == ("keep-1", "uid-1", 1)
+        early, _ = await h.executor.execute(command("create", "early-1", fence(1, key="default/early")))
+        assert early.outcome == "ok" and early.ip != r.ip
         a, _ = await h.executor.execute(command("adopt", "keep-1", fence(2)))
         assert a.outcome == "ok" and a.ip == r.ip, a
         assert (await held(h))[r.ip] == ("keep-1", "uid-2", 2)
