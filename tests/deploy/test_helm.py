@@ -171,6 +171,25 @@ def test_rbac_is_exactly_what_each_component_uses(docs: list[dict[str, Any]]) ->
         assert not missing, f"{comp} lacks access it needs: {missing}"
 
 
+def test_binding_unscheduled_pods_is_granted_only_when_switched_on() -> None:
+    """reconciler.bindUnscheduled=on (the reconciler binds pods itself, as on a cluster without a
+    scheduler) adds exactly pods/binding create to the table; auto (the default: kube-scheduler
+    binds) and off grant no binding; anything else is refused at render."""
+    for value, extra in (("on", {("", "pods/binding", "*"): {"create"}}), ("off", {}), ("auto", {})):
+        docs = render(["--set", f"reconciler.bindUnscheduled={value}"])
+        sa_component = {d["metadata"]["name"]: component(d) for d in of_kind(docs, "ServiceAccount")}
+        granted: dict[tuple[str, str, str], set[str]] = {}
+        for sa, target, verb in _grants(docs):
+            if sa_component[sa] == "reconciler":
+                granted.setdefault(target, set()).add(verb)
+        assert granted == {**ALLOWED["reconciler"], **extra}, value
+        env = {e["name"]: e.get("value") for e in workload(docs, "reconciler")["spec"]["template"]["spec"]
+               ["containers"][0]["env"]}
+        assert env["VMFENCE_BIND_UNSCHEDULED"] == value
+    res = helm("template", RELEASE, str(CHART), "--set", "reconciler.bindUnscheduled=yes")
+    assert res.returncode != 0 and "must be auto, on or off" in res.stderr
+
+
 def test_workloads_use_their_own_service_accounts(docs: list[dict[str, Any]]) -> None:
     for comp in ("watcher", "reconciler", "agent"):
         w = workload(docs, comp)
