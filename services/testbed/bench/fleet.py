@@ -137,7 +137,7 @@ class FleetBench:
                 f"agent-{host}", "agent",
                 _svc("agent", "--nats-url", url, "--host", host, "--runtime", "sim",
                      "--data-dir", str(self.dir / "agents" / host), "--http-host", "127.0.0.1",
-                     "--http-port", str(port), "--partitions", str(PARTITIONS), "--cpus", "4096",
+                     "--http-port", str(port), "--partitions", str(PARTITIONS), "--cpus", "100000",
                      "--memory-mib", str(10**8), "--vnc-range", "none", "--network", "user"),
                 port, logs / f"agent-{host}.log", env=users.env(agent_user(host)),
             )  # fmt: skip
