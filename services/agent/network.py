@@ -191,6 +191,26 @@ class _Saved(msgspec.Struct):
     bridge: str
 
 
+def _lease_owner(fd: int) -> str:
+    """The data directory of the agent that last leased the subnet (the lease file's content)."""
+    try:
+        return os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _still_claims(data_dir: str, net: ipaddress.IPv4Network) -> bool:
+    """The agent of ``data_dir`` recorded ``net`` as its subnet and its directory still exists: a
+    killed agent keeps its subnet for its restart (another agent taking it meanwhile would leave
+    the first unable to start, with VMs still on those addresses)."""
+    try:
+        with open(os.path.join(data_dir, NETWORK_FILE), "rb") as f:
+            saved = msgspec.json.decode(f.read(), type=_Saved)
+    except (OSError, msgspec.DecodeError):
+        return False
+    return saved.subnet == str(net)
+
+
 def lease_dir() -> str:
     base = os.environ.get(LEASE_DIR_ENV) or ("/run/vmfence/pools" if os.access("/run", os.W_OK)
                                              else os.path.join(tempfile.gettempdir(), "vmfence-pools"))
@@ -268,6 +288,13 @@ class HostNetwork:
         except OSError:
             os.close(fd)
             return "held by another agent on this machine"
+        owner = _lease_owner(fd)
+        mine = os.path.abspath(self.data_dir)
+        if owner and owner != mine and _still_claims(owner, net):
+            os.close(fd)  # its agent is down, not gone: its VMs may still run on these addresses
+            return f"kept for the agent of {owner}, which is not running (its VMs may use it)"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, mine.encode(), 0)
         self._release_lease()
         self._lease_fd = fd
         return None

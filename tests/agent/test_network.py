@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
+import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -348,3 +349,33 @@ async def test_a_vm_adopted_without_a_ledger_row_keeps_its_address_reserved(tmp_
         assert other.outcome == "ok" and other.ip != r.ip
     finally:
         await close_host(h)
+
+
+async def test_a_killed_agents_subnet_is_kept_for_its_restart(tmp_path: Path) -> None:
+    """The lease's flock dies with a SIGKILLed agent; another agent with the same host name (another
+    stack on the machine) starting meanwhile must not take that subnet — the first agent's VMs may
+    still use its addresses, and its restart insists on its network.json. A subnet whose agent's
+    directory is gone is free again."""
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    a_dir.mkdir()
+    b_dir.mkdir()
+    a = HostNetwork("bridge", str(a_dir), "host-b", taps=False)
+    await a.open()
+    assert a.pool is not None
+    mine = a.pool.subnet
+    a.close()  # as if killed: the flock is gone, network.json stays
+    b = HostNetwork("bridge", str(b_dir), "host-b", taps=False)
+    await b.open()
+    assert b.pool is not None and b.pool.subnet != mine
+    again = HostNetwork("bridge", str(a_dir), "host-b", taps=False)
+    await again.open()  # its own subnet back
+    assert again.pool is not None and again.pool.subnet == mine
+    again.close()
+    b.close()
+    shutil.rmtree(a_dir)  # that agent is gone for good: its subnet is free
+    c_dir = tmp_path / "c"
+    c_dir.mkdir()
+    c = HostNetwork("bridge", str(c_dir), "host-b", taps=False)
+    await c.open()
+    assert c.pool is not None and c.pool.subnet == mine
+    c.close()
