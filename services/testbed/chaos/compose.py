@@ -299,7 +299,9 @@ class ComposeChaos(ProcessChaos):
         self.runtime = "qemu"
         self.plan = parse_plan(self.args.plan or "")
         self.project = str(getattr(self.args, "project", None) or PROJECT)
-        self.passwords = {u: secrets.token_urlsafe(18) for u in PASSWORD_VARS}
+        # a letter first: nats-server reads an environment value that starts with a digit (or "-")
+        # as a number and refuses to start ("Expected a digit but got ...")
+        self.passwords = {u: "p" + secrets.token_urlsafe(18) for u in PASSWORD_VARS}
 
     # --------------------------------------------------------------------------- stack
     def shape(self, argv: list[str]) -> str:
