@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import logging
 import os
 import shutil
 import signal
@@ -49,6 +50,8 @@ from shared.bus.connect import Bus
 from shared.bus.provision import StreamsConfig, provision
 from shared.subjects import Subjects
 from shared.tasks import end_within, run_within
+
+log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
@@ -257,6 +260,19 @@ class LocalStack:
 
     # ------------------------------------------------------------------------- start
     async def start(self, on_status: Callable[[str, str], None] = lambda name, state: None) -> None:
+        """Start everything; on any failure stop what was started (nats-server, the control plane,
+        reconcilers, agents) and release the directory before the error goes on: a caller that
+        never reaches its own stop() leaves no process behind. stop() after that is harmless."""
+        try:
+            await self._start(on_status)
+        except BaseException:
+            try:
+                await self.stop()
+            except Exception as exc:  # the start's error is the one the caller needs
+                log.warning("stopping a stack whose start failed: %r", exc)
+            raise
+
+    async def _start(self, on_status: Callable[[str, str], None]) -> None:
         self.lock()
         cluster = await load_kubeconfig(self.kubeconfig) if self.kubeconfig is not None else None  # before any start
         if self.fresh:
