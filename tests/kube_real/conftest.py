@@ -214,6 +214,10 @@ class KubeEnv(Env):
                  f"uid {pod.metadata.uid} node {pod.spec.node_name} phase {pod.status.phase} "
                  f"deleting {pod.metadata.deletion_timestamp} finalizers {pod.metadata.finalizers} "
                  f"annotations {pod.metadata.annotations}")]
+        with contextlib.suppress(Exception):  # a Node NotReady or tainted stops kube-scheduler binding
+            for node in (await self.core.list_node()).items:
+                taints = [f"{t.key}:{t.effect}" for t in node.spec.taints or []]
+                lines.append(f"  node {node.metadata.name}: Ready={self.conditions(node).get('Ready')} taints {taints}")
         with contextlib.suppress(Exception):
             entries = [r.entry for r in await self.records() if r.entry.key == f"{self.ns}/{name}"]
             for e in entries[-last:]:
