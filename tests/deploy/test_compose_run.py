@@ -88,7 +88,9 @@ def test_make_images_is_idempotent(images: dict[str, str]) -> None:
     took = time.monotonic() - t0
     assert again == images
     assert {k: _image_id(v) for k, v in again.items() if k != "VMFENCE_IMAGE"} == before
-    assert took < 90, f"a warm make images took {took:.0f}s"
+    # ~11 s on an idle 2-core machine; the bound leaves room for a loaded one (the base and NATS
+    # image ids above are what proves nothing was rebuilt from scratch)
+    assert took < 240, f"a warm make images took {took:.0f}s"
     # the vmfence image runs: its console script answers, as the non-root user the Dockerfile names
     res = subprocess.run(["podman", "run", "--rm", images["VMFENCE_IMAGE"], "--help"], env=PODMAN_ENV,
                          capture_output=True, text=True, timeout=120)
@@ -120,11 +122,10 @@ def test_compose_stack_survives_a_partition_and_a_nats_kill(images: dict[str, st
     assert result["oracle_samples"] > 50, summary
     # the verdict
     assert result["quiesced"], summary
-    # the issue's bar: never two VMs for one incarnation. Two incarnations of one key may overlap
-    # across hosts for a moment (the churn force-deletes on recreate, and a host the reconciler does
-    # not see as live has its removal not waited for): reported in oracle_overlaps, seen in about
-    # half the smoke runs, 1-4 s each (docs/operations.md; a finding for the reconciler's host view)
-    assert result["max_vms_per_incarnation"] == 1 and result["max_vms_per_key"] <= 2, summary
+    # never two VMs for one incarnation; never two for one key but where all but one belong to
+    # incarnations the churn force-deleted (grace 0: the successor may start while the old host is
+    # not live, issue 11) — those are counted apart, in overlaps_after_force_delete
+    assert result["max_vms_per_incarnation"] == 1 and result["max_vms_per_key"] <= 1, summary
     assert result["leaked_vms"] == 0 and result["pods_without_vm"] == [], summary
     assert result["lost_inputs"] == 0, summary
     assert result["violations"] == [], summary
