@@ -7,12 +7,15 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from shared.bus.connect import Bus, NatsAuthError
 from shared.config import BusSettings, ConfigError, NatsSettings, load
 from shared.fence.keys import DEFAULT_PARTITIONS
 from shared.subjects import DEFAULT_PREFIX
+
+if TYPE_CHECKING:
+    from kubernetes_asyncio.client import ApiClient
 
 STACK_FILE = os.path.join(".vmfence", "stack.json")
 
@@ -84,3 +87,25 @@ async def open_bus(arg: str | None, name: str) -> Bus:
 
 def eprint(*parts: object) -> None:
     print(*parts, file=sys.stderr)
+
+
+def pod_key(arg: str) -> tuple[str, str]:
+    """``NAMESPACE/NAME`` as (namespace, name), or CliError in one line."""
+    ns, sep, name = arg.partition("/")
+    if not sep or not ns or not name or "/" in name:
+        raise CliError(f"{arg!r} is not NAMESPACE/NAME")
+    return ns, name
+
+
+async def kube_api(kubeconfig: str) -> ApiClient:
+    """The API client of a kubeconfig file (the services' constructor), or CliError in one line."""
+    from kubernetes_asyncio import client, config
+
+    from shared.kubeclient import api_client
+
+    cfg = client.Configuration()
+    try:
+        await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    except Exception as exc:
+        raise CliError(f"cannot load the kubeconfig {kubeconfig}: {exc}") from None
+    return api_client(cfg)

@@ -20,7 +20,7 @@ import termios
 import tty
 from typing import Any
 
-from services.cli.common import CliError, eprint, load_stack
+from services.cli.common import CliError, eprint, kube_api, load_stack, pod_key
 
 DETACH = b"\x1d"  # Ctrl-]
 READ_TIMEOUT_S = 10.0
@@ -36,24 +36,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(run=console)
 
 
-def _pod_key(arg: str) -> tuple[str, str]:
-    ns, sep, name = arg.partition("/")
-    if not sep or not ns or not name or "/" in name:
-        raise CliError(f"{arg!r} is not NAMESPACE/NAME")
-    return ns, name
-
-
 async def endpoint(kubeconfig: str, ns: str, name: str) -> tuple[str, int]:
     """The agent's kubelet address and port for the pod's node."""
-    from kubernetes_asyncio import client, config
+    from kubernetes_asyncio import client
     from kubernetes_asyncio.client.exceptions import ApiException
 
-    cfg = client.Configuration()
-    try:
-        await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-    except Exception as exc:
-        raise CliError(f"cannot load the kubeconfig {kubeconfig}: {exc}") from None
-    async with client.ApiClient(cfg) as api:
+    api_client = await kube_api(kubeconfig)
+    async with api_client as api:
         core = client.CoreV1Api(api)
         try:
             pod: Any = await core.read_namespaced_pod(name, ns, _request_timeout=READ_TIMEOUT_S)
@@ -140,7 +129,7 @@ async def attach(url: str, ctx: ssl.SSLContext, stdin: int, stdout: int) -> str:
 
 
 async def console(args: argparse.Namespace) -> int:
-    ns, name = _pod_key(args.pod)
+    ns, name = pod_key(args.pod)
     kubeconfig = args.kubeconfig
     if kubeconfig is None and (stack := load_stack()) is not None:
         kubeconfig = stack.kubeconfig

@@ -20,7 +20,7 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
-from services.cli.common import CliError, load_stack, open_bus
+from services.cli.common import CliError, kube_api, load_stack, open_bus
 from shared.bus.connect import Bus
 from shared.bus.logstream import read_log
 from shared.fence.drift import ApiObject, Drift, DriftReport, HostVM, InventoryAnswer, drift
@@ -95,16 +95,12 @@ def _created_s(obj: dict[str, Any]) -> float:
 
 
 async def _api_objects(kubeconfig: str) -> list[ApiObject]:
-    from kubernetes_asyncio import client, config
+    from kubernetes_asyncio import client
     from kubernetes_asyncio.client.exceptions import ApiException
 
-    cfg = client.Configuration()
-    try:
-        await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-    except Exception as exc:
-        raise CliError(f"cannot load the kubeconfig {kubeconfig}: {exc}") from None
+    api_client = await kube_api(kubeconfig)
     out: list[ApiObject] = []
-    async with client.ApiClient(cfg) as api:
+    async with api_client as api:
         try:
             resp = await client.CoreV1Api(api).list_pod_for_all_namespaces(
                 _preload_content=False, _request_timeout=LIST_TIMEOUT_S)

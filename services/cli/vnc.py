@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import nats.errors
 
-from services.cli.common import CliError, load_stack, open_bus
+from services.cli.common import CliError, kube_api, load_stack, open_bus, pod_key
 from shared.bus.connect import Bus
 from shared.bus.connect import log as bus_log
 from shared.fence.keys import Key
@@ -52,23 +52,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(run=vnc)
 
 
-def _pod_key(arg: str) -> tuple[str, str]:
-    ns, sep, name = arg.partition("/")
-    if not sep or not ns or not name or "/" in name:
-        raise CliError(f"{arg!r} is not NAMESPACE/NAME")
-    return ns, name
-
-
 async def _read_pod(kubeconfig: str, namespace: str, name: str) -> dict[str, Any]:
-    from kubernetes_asyncio import client, config
+    from kubernetes_asyncio import client
     from kubernetes_asyncio.client.exceptions import ApiException
 
-    cfg = client.Configuration()
-    try:
-        await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-    except Exception as exc:
-        raise CliError(f"cannot load the kubeconfig {kubeconfig}: {exc}") from None
-    async with client.ApiClient(cfg) as api:
+    api_client = await kube_api(kubeconfig)
+    async with api_client as api:
         try:
             resp: Any = await client.CoreV1Api(api).read_namespaced_pod(
                 name, namespace, _preload_content=False, _request_timeout=READ_TIMEOUT_S)
@@ -166,7 +155,7 @@ async def _ask(bus: Bus, host: str, query: VncQuery, timeout: float, refusals: _
 
 
 async def vnc(args: argparse.Namespace) -> int:
-    namespace, name = _pod_key(args.pod)
+    namespace, name = pod_key(args.pod)
     kubeconfig = args.kubeconfig
     if kubeconfig is None and (stack := load_stack()) is not None:
         kubeconfig = stack.kubeconfig

@@ -353,54 +353,6 @@ class StackBench:
 
         return await raw_publish_rates(self.stack.bus, self.size["raw_n"])
 
-    # -------------------------------------------------------------------- latency
-    async def latency(self, rate: int) -> dict[str, Any]:
-        """Offered load `rate` pods/s for load_seconds: creates are started on a fixed schedule
-        (not waiting for each other), so a slow system shows up as latency, not as fewer pods."""
-        assert self.tracker is not None
-        js, subjects = self.stack.bus.js, self.stack.subjects
-        n = max(1, int(rate * self.size["load_seconds"]))
-        names = [f"lat{rate}-{i}" for i in range(n)]
-        created: dict[str, float] = {}
-        start_seq = await log_last_seq(js, subjects) + 1
-
-        async def one(name: str) -> None:
-            created[name] = await self.create(name)
-
-        t_start = time.monotonic()
-        async with asyncio.TaskGroup() as tg:
-            for i, name in enumerate(names):
-                delay = t_start + i / rate - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tg.create_task(one(name))
-            offered_s = time.monotonic() - t_start
-        await self.tracker.wait(lambda: all(nm in self.tracker.running_at for nm in names),  # type: ignore[union-attr]
-                                120 + n / 20, f"{n} pods Running at {rate}/s")
-        end_seq = await log_last_seq(js, subjects)
-        bound = await bound_times(js, subjects, start_seq, end_seq)
-        to_bound, bound_to_status, total = [], [], []
-        for name in names:
-            t0, t2 = created[name], self.tracker.running_at[name]
-            t1 = bound.get(f"{NS}/{name}")
-            total.append(t2 - t0)
-            if t1 is not None:
-                to_bound.append(t1 - t0)
-                bound_to_status.append(t2 - t1)
-        await self.delete_all_and_wait(names, 120 + n / 20)
-        return {
-            "offered_per_s": rate,
-            "pods": n,
-            "achieved_create_per_s": round(n / offered_s, 1) if offered_s > 0 else None,
-            "to_bound_p50_s": r4(pct(to_bound, 50)),
-            "to_bound_p99_s": r4(pct(to_bound, 99)),
-            "bound_to_status_p50_s": r4(pct(bound_to_status, 50)),
-            "bound_to_status_p99_s": r4(pct(bound_to_status, 99)),
-            "to_running_p50_s": r4(pct(total, 50)),
-            "to_running_p99_s": r4(pct(total, 99)),
-            "bound_seen": len(to_bound),
-        }
-
     # -------------------------------------------------------------------- N pods
     async def pods_run(self) -> dict[str, Any]:
         """N pods created as fast as the client can, to all Running (also the decisions/s run)."""

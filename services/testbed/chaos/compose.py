@@ -41,7 +41,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import yaml
@@ -293,6 +293,8 @@ class ComposeChaos(ProcessChaos):
     violations: list[str] = field(default_factory=list, init=False)
     takeovers: list[float] = field(default_factory=list, init=False)
     commands: list[str] = field(default_factory=list, init=False)  # shapes of the commands run (self.shape)
+    layout_hosts: ClassVar[tuple[str, ...]] = HOSTS
+    layout_partitions: ClassVar[int] = PARTITIONS
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -583,20 +585,6 @@ class ComposeChaos(ProcessChaos):
                 self.notes.append(f"{fault.kind} {fault.target}: {exc!s:.400}")
                 self.say(f"fault {fault.kind} {fault.target} failed: {exc!s:.200}")
 
-    # ------------------------------------------------------------------------ quiescence
-    async def _lag(self) -> int:
-        js, s = self.bus.js, self.subjects
-        lag = 0
-        names = [(s.stream_in, f"reconciler-p{p}") for p in range(PARTITIONS)]
-        names += [(s.stream_cmd, f"agent-{h}") for h in HOSTS]
-        for stream, durable in names:
-            try:
-                ci = await js.consumer_info(stream, durable)
-            except Exception:
-                return -1
-            lag += (ci.num_pending or 0) + (ci.num_ack_pending or 0)
-        return lag
-
     # ------------------------------------------------------------------------- the end
     async def audit_cli(self) -> dict[str, Any]:
         """`vmfence replay --json` and `vmfence verify --json` as an operator runs them, as audit."""
@@ -699,21 +687,7 @@ class ComposeChaos(ProcessChaos):
             self._stop_faults.set()
             await asyncio.gather(churn, faulter)  # the faulter finishes its fault (reconnect, unpause) first
             result["chaos_seconds"] = round(time.monotonic() - chaos_t0, 1)
-            self.say("faults stopped; waiting for quiescence")
-            q0 = time.monotonic()
-            quiesced, why = await self.quiesce(self.args.settle_timeout)
-            result["quiesce_seconds"] = round(time.monotonic() - q0, 1)
-            result["quiesced"] = quiesced
-            if not quiesced:
-                result["quiesce_state"] = why
-            end = await self.verdict()
-            if end["leaked_vms"] or end["pods_without_vm"]:
-                # an agent's periodic inventory may still collect an orphan: give it two rounds
-                self.say(f"end state not clean yet ({end['leaked']}, {end['pods_without_vm']}); re-checking")
-                await asyncio.sleep(35.0)
-                await self.quiesce(60.0)
-                end = await self.verdict()
-            result.update(end)
+            await self.settle(result, recheck_after_s=35.0)
             result["audit_cli"] = await self.audit_cli()
             await asyncio.to_thread(oracle.sample)
             ok = True

@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from services.testbed.chaos.oracles import LIVE_STATES
 from shared.tasks import cancel_and_wait
@@ -352,6 +352,8 @@ class ProcessChaos:
     ops: Counter[str] = field(default_factory=Counter, init=False)
     notes: list[str] = field(default_factory=list, init=False)
     forced: set[tuple[str, str]] = field(default_factory=set, init=False)  # incarnations force-deleted
+    layout_hosts: ClassVar[tuple[str, ...]] = HOSTS  # the stack's agents (the compose stack has three)
+    layout_partitions: ClassVar[int] = PARTITIONS
 
     def __post_init__(self) -> None:
         from services.testbed.stack import pick_runtime
@@ -614,8 +616,8 @@ class ProcessChaos:
     async def _lag(self) -> int:
         js, s = self.bus.js, self.subjects
         lag = 0
-        names = [(s.stream_in, f"reconciler-p{p}") for p in range(PARTITIONS)]
-        names += [(s.stream_cmd, f"agent-{h}") for h in HOSTS]
+        names = [(s.stream_in, f"reconciler-p{p}") for p in range(self.layout_partitions)]
+        names += [(s.stream_cmd, f"agent-{h}") for h in self.layout_hosts]
         for stream, durable in names:
             try:
                 ci = await js.consumer_info(stream, durable)
@@ -623,6 +625,25 @@ class ProcessChaos:
                 return -1
             lag += (ci.num_pending or 0) + (ci.num_ack_pending or 0)
         return lag
+
+    async def settle(self, result: dict[str, Any], *, recheck_after_s: float) -> None:
+        """Once the faults stopped: quiescence, then the verdict into ``result``; an end state with
+        an orphan or a pod without its VM is checked again after ``recheck_after_s`` (an agent's
+        periodic inventory may still collect an orphan: two rounds)."""
+        self.say("faults stopped; waiting for quiescence")
+        q0 = time.monotonic()
+        quiesced, why = await self.quiesce(self.args.settle_timeout)
+        result["quiesce_seconds"] = round(time.monotonic() - q0, 1)
+        result["quiesced"] = quiesced
+        if not quiesced:
+            result["quiesce_state"] = why
+        end = await self.verdict()
+        if end["leaked_vms"] or end["pods_without_vm"]:
+            self.say(f"end state not clean yet ({end['leaked']}, {end['pods_without_vm']}); re-checking")
+            await asyncio.sleep(recheck_after_s)
+            await self.quiesce(60.0)
+            end = await self.verdict()
+        result.update(end)
 
     async def _pods(self) -> dict[str, Any]:
         res = await self.core.list_namespaced_pod(NS)
@@ -738,21 +759,7 @@ class ProcessChaos:
             await asyncio.gather(churn, killer)  # the killer finishes its restart first
             result["chaos_seconds"] = round(time.monotonic() - chaos_t0, 1)
             await _http_post_json(self.api_port, "/_dev/faults", {"reset": True})
-            self.say("faults stopped; waiting for quiescence")
-            q0 = time.monotonic()
-            quiesced, why = await self.quiesce(self.args.settle_timeout)
-            result["quiesce_seconds"] = round(time.monotonic() - q0, 1)
-            result["quiesced"] = quiesced
-            if not quiesced:
-                result["quiesce_state"] = why
-            end = await self.verdict()
-            if end["leaked_vms"] or end["pods_without_vm"]:
-                # an agent's periodic inventory may still collect an orphan: give it two rounds
-                self.say(f"end state not clean yet ({end['leaked']}, {end['pods_without_vm']}); re-checking")
-                await asyncio.sleep(25.0)
-                await self.quiesce(60.0)
-                end = await self.verdict()
-            result.update(end)
+            await self.settle(result, recheck_after_s=25.0)
             reviver.cancel()
             await asyncio.to_thread(oracle.sample)
             ok = True
