@@ -109,6 +109,13 @@ class FleetBench:
         return out
 
     async def __aenter__(self) -> FleetBench:
+        try:
+            return await self._start()
+        except BaseException:
+            await self.__aexit__()  # a half-started fleet stops what it started
+            raise
+
+    async def _start(self) -> FleetBench:
         from kubernetes_asyncio import client, config
 
         from services.testbed.natsserver import agent_user, free_port, local_accounts, start_nats
