@@ -5,6 +5,7 @@ tests/e2e/test_pod_logs.py's first part, on the real control plane (about 40 s w
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -32,9 +33,13 @@ async def test_kubectl_logs_through_the_real_api_server(lenv: KubeEnv) -> None:
     out = await env.kubectl_ok("logs", "logs")
     assert f"booting {vm_id}" in out and "VMFENCE-READY" in out, out
     assert await env.kubectl_ok("logs", "logs", "--tail=1") == "VMFENCE-READY sim\n"
-    # not here: `kubectl exec`. kube-apiserver 1.35 answers kubectl's websocket with 101 before it
-    # dials the kubelet over SPDY, and the agent's refusal (501 naming vmfence console) never reaches
-    # kubectl, which waits; on the development server the same refusal is shown (tests/e2e/test_pod_logs.py)
+    # exec and port-forward through kube-apiserver: its stream translator takes kubectl's websocket,
+    # dials the agent over SPDY and hands back the agent's refusal, which names vmfence console
+    for args in (["exec", "logs", "--", "sh", "-c", "true"], ["exec", "-i", "logs", "--", "sh"],
+                 ["port-forward", "pod/logs", "18080:8080"]):
+        out = await asyncio.to_thread(env.kubectl, *args, timeout=40)
+        assert out.returncode != 0, (args, out.stdout)
+        assert "vmfence console" in out.stderr, (args, out.stderr[-2000:])
     await env.core.delete_namespaced_pod("logs", env.ns)
     await env.wait_gone("logs")
     await env.audit()
