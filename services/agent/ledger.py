@@ -279,6 +279,10 @@ class Ledger:
                 self.write_error = None
 
     # ------------------------------------------------------------------ reads (memory mirror)
+    def holds_addresses(self) -> bool:
+        """Any VM of this host still holds a pod address (a reservation of its fence)."""
+        return bool(self._ips)
+
     def vm(self, vm_id: str) -> VMRow | None:
         return self._vms.get(vm_id)
 

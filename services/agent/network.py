@@ -36,6 +36,7 @@ The shape (issue 12 §1, DESIGN rule 9):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import hashlib
 import ipaddress
@@ -386,7 +387,13 @@ class HostNetwork:
             await delete_link(name, self.bridge)
         await delete_link(self.bridge, self.bridge)
 
-    def close(self) -> None:
+    def close(self, *, keep_claim: bool = True) -> None:
+        """Drop the lease. ``keep_claim``: this agent's VMs still hold addresses of the subnet, so it
+        stays recorded as the subnet's (a restart gets it back); without any, the record is cleared
+        and the subnet is free for another agent (a stopped test stack's must not pin one forever)."""
+        if not keep_claim and self._lease_fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._lease_fd, 0)
         self._release_lease()
 
 

@@ -344,7 +344,8 @@ class Agent:
         async with contextlib.AsyncExitStack() as steps:  # run last-pushed first
             steps.callback(log.info, "agent stopped", extra={"host": self.config.host, "event": "stopped"})
             steps.callback(self._unlock_data_dir)
-            steps.callback(self.network.close)  # the pool's lease
+            # the pool's lease; its claim stays only while VMs of this host hold addresses
+            steps.callback(lambda: self.network.close(keep_claim=self.ledger.holds_addresses()))
             steps.push_async_callback(self.ledger.close)
             if self.bus is not None:
                 steps.push_async_callback(run_within, self.bus.close(), NET_TIMEOUT_S, what="closing NATS")

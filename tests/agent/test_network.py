@@ -378,4 +378,12 @@ async def test_a_killed_agents_subnet_is_kept_for_its_restart(tmp_path: Path) ->
     c = HostNetwork("bridge", str(c_dir), "host-b", taps=False)
     await c.open()
     assert c.pool is not None and c.pool.subnet == mine
-    c.close()
+    # a clean stop with no VM holding an address gives the subnet up (stopped stacks must not pin
+    # the pool: a test session starts hundreds of agents whose directories all outlive them)
+    c.close(keep_claim=False)
+    d_dir = tmp_path / "d"
+    d_dir.mkdir()
+    d = HostNetwork("bridge", str(d_dir), "host-b", taps=False)
+    await d.open()
+    assert d.pool is not None and d.pool.subnet == mine
+    d.close()

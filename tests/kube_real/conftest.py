@@ -58,7 +58,7 @@ def _in_thread(coro: Awaitable[Any]) -> Any:
         return pool.submit(asyncio.run, coro).result()  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped after tests/kube_real: its processes would load every later test
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[KubeControlPlane, ServiceCredentials]]:
     try:
         binaries()
