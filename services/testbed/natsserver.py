@@ -202,6 +202,9 @@ def nats_server_binary() -> str:
     )
 
 
+PORT_ATTEMPTS = 3  # start_nats picks new ports when one it picked was taken meanwhile
+
+
 def free_port() -> int:
     """A loopback TCP port that is free right now (the OS picks it; a small reuse race remains)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -416,21 +419,34 @@ async def start_nats(
     owns = store_dir is None
     if store_dir is None:
         store_dir = tempfile.mkdtemp(prefix="vmfence-nats-")
-    server = NatsServer(
-        store_dir=store_dir,
-        port=port or free_port(),
-        http_port=free_port(),
-        jetstream=jetstream,
-        config_text=config_text,
-        owns_store=owns,
-        keep_fds=keep_fds,
-    )
-    try:
-        await server.start()
-    except BaseException:
-        await server.stop()
-        raise
-    return server
+    for attempt in range(PORT_ATTEMPTS):
+        server = NatsServer(
+            store_dir=store_dir,
+            port=port or free_port(),
+            http_port=free_port(),
+            jetstream=jetstream,
+            config_text=config_text,
+            owns_store=owns and attempt == PORT_ATTEMPTS - 1,
+            keep_fds=keep_fds,
+        )
+        try:
+            await server.start()
+        except NatsServerError as exc:
+            await server.stop()
+            # a port free_port() picked was taken before the server bound it: pick others
+            if "address already in use" in str(exc) and attempt < PORT_ATTEMPTS - 1:
+                continue
+            if owns:
+                shutil.rmtree(store_dir, ignore_errors=True)
+            raise
+        except BaseException:
+            await server.stop()
+            if owns:
+                shutil.rmtree(store_dir, ignore_errors=True)
+            raise
+        server.owns_store = owns
+        return server
+    raise AssertionError("unreachable")
 
 
 @dataclass
