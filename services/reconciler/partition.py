@@ -23,6 +23,7 @@ from nats.js import JetStreamContext, api
 
 from services.reconciler import metrics
 from services.reconciler.effects import EffectRunner
+from services.reconciler.inventory import InventoryIndex
 from services.reconciler.keytable import KeySlot
 from services.reconciler.snapshot import SnapshotStore
 from shared.bus.append import LostRace, fenced_append
@@ -78,16 +79,6 @@ INVENTORY_SWEEP_S = 30.0
 # A quarantined key's log is read again this often: once an operator has removed the entry that
 # does not decode (docs/operations.md#vmfencekeyquarantined), the key is loaded and goes on.
 QUARANTINE_RECHECK_S = INVENTORY_SWEEP_S
-
-
-class _Round:
-    """One inventory round of one host as this partition saw it: the VMs the log bound there when
-    its first item arrived, and the VMs its items named."""
-
-    def __init__(self, round_id: str, expected: dict[str, str]) -> None:
-        self.round_id = round_id
-        self.expected = expected
-        self.seen: set[str] = set()
 
 
 class Undecodable(Exception):
@@ -152,12 +143,8 @@ class Partition:
         self._max_seen = 0  # highest log sequence this partition has folded
         self._inflight_floors: Counter[int] = Counter()
         self.stats: Counter[str] = Counter()
-        # what the log binds where (host -> key -> vm_id), kept beside the states after every
-        # append, so a host's inventory round can be compared with it without a scan of every key
-        self._bound_on: dict[str, dict[str, str]] = {}
-        self._rounds: dict[str, _Round] = {}  # host -> the inventory round last seen here
+        self.inventory = InventoryIndex()  # what the log binds where, against the hosts' rounds
         self.inventory_stale_s = inventory_stale_s
-        self._last_listed: dict[tuple[str, str], float] = {}  # (key, vm_id) -> when a round last named it
         # keys whose log holds an entry that is no entry of theirs: nothing is decided, commanded or
         # written for them (rule 12: their state is unknown), their inputs are dead-lettered
         self.quarantined: dict[str, Quarantine] = {}
@@ -200,7 +187,7 @@ class Partition:
             return
         self.quarantined[bad.key] = Quarantine(bad.seq, bad.reason)
         self.keys.pop(bad.key, None)
-        self._index(bad.key, KeyState(key=bad.key))  # what it bound is not known any more
+        self.inventory.index(bad.key, KeyState(key=bad.key))  # what it bound is not known any more
         self.effects.halt(bad.key)
         self.stats["quarantined"] += 1
         metrics.LOG_UNDECODABLE.inc()
@@ -241,7 +228,7 @@ class Partition:
             if self.quarantined.pop(key, None) is None:
                 continue
             self.keys[key] = slot
-            self._index(key, slot.state)
+            self.inventory.index(key, slot.state)
             self.effects.resume(key)
             log.warning("quarantine lifted: the key's log reads again (%d entries)", slot.state.n,
                         extra={"key": key, "partition": self.p})
@@ -312,7 +299,7 @@ class Partition:
         # does the same for keys first seen later: their whole log may have been lost)
         for key, slot in self.keys.items():
             slot.state.unverified = True
-            self._index(key, slot.state)
+            self.inventory.index(key, slot.state)
         self._loaded = True
         # the outbox: effects decided but maybe not carried out before a crash or handover
         for key, slot in self.keys.items():
@@ -362,7 +349,7 @@ class Partition:
             fold_all(slot.state, entry.decisions)
             slot.state.n, slot.last_seq, slot.dirty = entry.n, msg.seq, True
             self._max_seen = max(self._max_seen, msg.seq)
-        self._index(key, slot.state)
+        self.inventory.index(key, slot.state)
         return floor if full else None
 
     async def _rows_ahead_of_log(self, rows: dict[str, tuple[KeyState, int]]) -> list[str]:
@@ -536,7 +523,7 @@ class Partition:
         if key in self.quarantined:
             await self._dead_letter(msg, self._quarantined_reason(key))
             return
-        lacking = self._note_inventory(key, inp) if isinstance(inp, Inventoried) else []
+        lacking = self.inventory.note(key, inp) if isinstance(inp, Inventoried) else []
         slot = self._slot(key)
         async with slot.lock:
             if not self.held:
@@ -560,58 +547,13 @@ class Partition:
             await self._absent(other, vm_id, host, round_id)
 
     # ------------------------------------------------------------ inventories against the log
-    def _index(self, key: str, state: KeyState) -> None:
-        """Keep ``_bound_on`` equal to what ``state`` binds (called after every fold of the key)."""
-        cur = state.cur
-        bound = (cur.host, cur.vm_id) if cur is not None and cur.bound and cur.host and cur.vm_id else None
-        for host, keys in self._bound_on.items():
-            old = keys.get(key)
-            if old is not None and bound != (host, old):
-                del keys[key]
-                self._last_listed.pop((key, old), None)
-        if bound is not None:
-            host, vm_id = bound
-            keys = self._bound_on.setdefault(host, {})
-            if keys.get(key) != vm_id:
-                keys[key] = vm_id
-                self._last_listed[(key, vm_id)] = time.monotonic()
-
-    def _note_inventory(self, key: str, inp: Inventoried) -> list[tuple[str, str, str, str]]:
-        """An item of a host's inventory round. Agents publish a round's items one after another,
-        so the first item of a newer round shows the previous one complete here: every VM the log
-        bound on that host when it began and no item of it named is returned (key, vm, host, round)."""
-        if inp.state == ABSENT or not inp.round:
-            return []
-        if self._bound_on.get(inp.host, {}).get(key) == inp.vm_id:
-            self._last_listed[(key, inp.vm_id)] = time.monotonic()
-        r = self._rounds.get(inp.host)
-        done: _Round | None = None
-        if r is None or r.round_id != inp.round:
-            done = r
-            r = self._rounds[inp.host] = _Round(inp.round, dict(self._bound_on.get(inp.host, {})))
-        r.seen.add(inp.vm_id)
-        if done is None:
-            return []
-        now_bound = self._bound_on.get(inp.host, {})
-        return [
-            (k, vm_id, inp.host, done.round_id)
-            for k, vm_id in done.expected.items()
-            if vm_id not in done.seen and now_bound.get(k) == vm_id
-        ]
-
     async def sweep_inventory(self, live_hosts: set[str]) -> int:
         """The backstop: a VM bound on a live host that no round has named for ``inventory_stale_s``
         is inspected (a re-check, never an eviction on its own). Returns how many were asked."""
-        now, asked = time.monotonic(), 0
-        for host, keys in list(self._bound_on.items()):
-            if host not in live_hosts:
-                continue
-            for key, vm_id in list(keys.items()):
-                if now - self._last_listed.get((key, vm_id), now) >= self.inventory_stale_s:
-                    self._last_listed[(key, vm_id)] = now  # asked once per stale period
-                    await self._absent(key, vm_id, host, "")
-                    asked += 1
-        return asked
+        stale = self.inventory.stale(live_hosts, self.inventory_stale_s)
+        for key, vm_id, host in stale:
+            await self._absent(key, vm_id, host, "")
+        return len(stale)
 
     async def _absent(self, key: str, vm_id: str, host: str, round_id: str) -> None:
         """Tell the key that a round of ``host`` lacked its bound VM; decide asks for an inspect."""
@@ -743,7 +685,7 @@ class Partition:
         fold_all(slot.state, decisions)
         slot.state.n, slot.last_seq, slot.dirty = entry.n, seq, True
         self._max_seen = max(self._max_seen, seq)
-        self._index(key, slot.state)
+        self.inventory.index(key, slot.state)
 
     async def _rebuild(self, slot: KeySlot, known: KeyState) -> None:
         """The log holds less than this writer had folded (its tail was lost, e.g. restored from an
