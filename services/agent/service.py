@@ -39,9 +39,10 @@ from nats.js.kv import KeyValue
 from services.agent.answers import inventory_responder, vnc_responder
 from services.agent.collect import Collector
 from services.agent.config import AgentConfig, host_cpus, host_memory_mib
+from services.agent.delivery import Malformed, delivered, heals, retry_delay, validate_command
 from services.agent.executor import Executor, VMLocks, labels_fence
 from services.agent.kubelet import KubeletServer, KubeletTls
-from services.agent.ledger import LEDGER_FILE, TRANSIENT_STATES, Ledger, is_write_failure
+from services.agent.ledger import LEDGER_FILE, TRANSIENT_STATES, Ledger
 from services.agent.logs import cmd_fields, fence_fields
 from services.agent.metrics import AgentMetrics
 from services.agent.network import (
@@ -60,7 +61,6 @@ from services.agent.runtime import (
     VMGoneEvent,
     make_driver,
 )
-from services.agent.runtime.base import VM_ID_RE
 from shared.bus.append import AppendFailed, publish_input
 from shared.bus.connect import Bus, NatsAuthError
 from shared.bus.deadletter import dead_letter
@@ -69,7 +69,6 @@ from shared.bus.retry import Retry, backoff_delay
 from shared.config import EXIT_CONFIG, start
 from shared.fence.keys import Key, encode_token
 from shared.fence.schema import (
-    SCHEMA_VERSION,
     Command,
     CommandResult,
     Fence,
@@ -115,10 +114,6 @@ class _StoppedDuringStartup(Exception):
     """stop() (SIGTERM) arrived before the agent was ready: a clean exit, not an error."""
 
 
-class Malformed(Exception):
-    """A command that can never be executed: it goes to the dead-letter stream."""
-
-
 def _sim_faults(driver: Any, faults: tuple[str, ...]) -> None:
     """Apply ``--sim-fault kind:op[:seconds]`` rules (each fires once) to a SimDriver."""
     for f in faults:
@@ -131,43 +126,6 @@ def _sim_faults(driver: Any, faults: tuple[str, ...]) -> None:
             driver.faults.crash_after(op)
         elif kind == "inconclusive":
             driver.faults.inconclusive()
-
-
-def retry_delay(delivered: int, base: float, cap: float) -> float:
-    """Seconds before the redelivery of a command that failed on its ``delivered``-th delivery
-    (counting from 1): ``base`` doubled each time, at most ``cap``."""
-    return float(min(cap, base * 2.0 ** min(max(delivered, 1) - 1, 32)))  # no float overflow
-
-
-def delivered(msg: Msg) -> int:
-    """How often JetStream has delivered ``msg`` (1 the first time)."""
-    try:
-        return max(1, int(msg.metadata.num_delivered or 1))
-    except (nats.errors.Error, ValueError, TypeError, AttributeError):
-        return 1
-
-
-def heals(e: BaseException) -> bool:
-    """May a retry of a command that raised ``e`` succeed? A ledger that cannot be written (disk
-    full, read-only), a timeout or an I/O error may heal; anything else (a bug, a value no retry
-    changes) is answered failed at once."""
-    return is_write_failure(e) or isinstance(e, TimeoutError | OSError)
-
-
-def validate_command(cmd: Command, host: str) -> None:
-    """Reject what no retry can fix (dead letter) before touching the ledger."""
-    if cmd.v > SCHEMA_VERSION:
-        raise Malformed(f"schema version {cmd.v} is newer than this agent's {SCHEMA_VERSION}")
-    if cmd.host != host:
-        raise Malformed(f"command for host {cmd.host!r} delivered to {host!r}")
-    if not cmd.id:
-        raise Malformed("empty command id")
-    if not VM_ID_RE.match(cmd.vm_id):
-        raise Malformed(f"invalid vm_id {cmd.vm_id!r}")
-    try:
-        Key.parse(cmd.fence.key)
-    except ValueError as e:
-        raise Malformed(str(e)) from None
 
 
 async def _cancel_hard(task: asyncio.Future[Any]) -> None:

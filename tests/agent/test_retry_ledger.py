@@ -22,10 +22,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.agent.config import AgentConfig
+from services.agent.delivery import heals, retry_delay
 from services.agent.ledger import Ledger
 from services.agent.runtime import VMInfo
 from services.agent.runtime.sim import SimDriver
-from services.agent.service import Agent, heals, retry_delay
+from services.agent.service import Agent
 from shared.fence.schema import CommandResult, HostHeartbeat, Input
 
 from .conftest import HOST, Reports, command, fence, send, sim_driver
