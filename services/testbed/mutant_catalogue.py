@@ -76,15 +76,15 @@ MUTANTS: tuple[Mutant, ...] = (
     # ------------------------------------------------------------------ fold (shared/fence/state.py)
     Mutant(
         "state-superseded-not-tombstoned", STATE,
-        "        case Superseded(fence=f):\n            _tombstone(s, f.uid)\n",
-        "        case Superseded(fence=f):\n            pass\n",
+        "def _superseded(s: KeyState, d: Superseded) -> None:\n    f = d.fence\n    _tombstone(s, f.uid)\n",
+        "def _superseded(s: KeyState, d: Superseded) -> None:\n    f = d.fence\n",
         "rule 3: a superseded uid is tombstoned; every later input for it is Skipped(superseded)",
         KERNEL,
     ),
     Mutant(
         "state-forgotten-not-tombstoned", STATE,
-        "        case Forgotten(fence=f):\n            _tombstone(s, f.uid)\n",
-        "        case Forgotten(fence=f):\n            pass\n",
+        "def _forgotten(s: KeyState, d: Forgotten) -> None:\n    f = d.fence\n    _tombstone(s, f.uid)\n",
+        "def _forgotten(s: KeyState, d: Forgotten) -> None:\n    f = d.fence\n",
         "rule 3/5: a deleted incarnation is tombstoned; a late observation never re-admits it",
         KERNEL,
     ),
@@ -105,8 +105,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "state-rebuild-keeps-the-epoch", STATE,
-        "            s.epoch = max(s.epoch, floor) + 1\n",
-        "            s.epoch = max(s.epoch, floor)\n",
+        "    s.epoch = max(s.epoch, floor) + 1\n",
+        "    s.epoch = max(s.epoch, floor)\n",
         "lost tail: a rebuild fences the key above every epoch its writer knew",
         KERNEL,
     ),

@@ -6,8 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import io
+import mmap
+import os
+import stat
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -191,17 +195,47 @@ def iter_export(data: bytes) -> Iterator[Record]:
     """Records of an export file (length-prefixed msgpack after a magic line)."""
     if not data.startswith(EXPORT_MAGIC):
         raise ValueError("not a vmfence export file (bad magic line)")
-    pos = len(EXPORT_MAGIC)
-    while pos < len(data):
+    rest = yield from _records_in(data, len(EXPORT_MAGIC))
+    if rest < len(data):
+        raise ValueError(f"export file truncated at byte {rest + 4}")
+
+
+def _records_in(data: bytes | mmap.mmap, pos: int) -> Generator[Record, None, int]:
+    """The whole records of ``data`` from ``pos``; returns where the first incomplete one starts.
+    Each is decoded from a view of ``data`` (no copy of its bytes). Of a mapped file, the pages
+    read are handed back every ``MAPPED_RELEASE_BYTES``, so the replay's resident memory stays the
+    audit's, not the file's."""
+    view = memoryview(data)
+    decode = _rec_decoder.decode
+    end = len(data)
+    mapped = data if isinstance(data, mmap.mmap) else None
+    released = 0
+    while pos + 4 <= end:
         n = int.from_bytes(data[pos : pos + 4], "big")
-        pos += 4
-        if pos + n > len(data):
-            raise ValueError(f"export file truncated at byte {pos}")
-        yield _rec_decoder.decode(data[pos : pos + n])
-        pos += n
+        if pos + 4 + n > end:
+            break
+        yield decode(view[pos + 4 : pos + 4 + n])
+        pos += 4 + n
+        if mapped is not None and pos - released >= MAPPED_RELEASE_BYTES:
+            upto = pos - pos % mmap.PAGESIZE
+            mapped.madvise(mmap.MADV_DONTNEED, released, upto - released)
+            released = upto
+    return pos
 
 
+MAPPED_RELEASE_BYTES = 16 * 1024 * 1024
 EXPORT_CHUNK_BYTES = 4 * 1024 * 1024  # read at a time from an export stream
+
+
+def _mapped(f: BinaryIO) -> mmap.mmap | None:
+    """The file mapped read-only, when it is a regular file (not a pipe or a terminal)."""
+    try:
+        fd = f.fileno()
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_size == 0:
+            return None
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return None
 
 
 def iter_export_stream(f: BinaryIO) -> Iterator[Record]:
@@ -210,20 +244,24 @@ def iter_export_stream(f: BinaryIO) -> Iterator[Record]:
     head = f.read(len(EXPORT_MAGIC))
     if head != EXPORT_MAGIC:
         raise ValueError("not a vmfence export file (bad magic line)")
-    buf = memoryview(b"")
-    offset = len(EXPORT_MAGIC)
+    mapped = _mapped(f)
+    if mapped is not None:  # a regular file: decoded where the page cache holds it, never copied
+        with mapped:
+            rest = yield from _records_in(mapped, len(EXPORT_MAGIC))
+            if rest < len(mapped):
+                raise ValueError(f"export file truncated at byte {rest}")
+        return
+    data = b""
+    offset = len(EXPORT_MAGIC)  # of ``data`` in the stream
     while True:
-        while len(buf) < 4 or len(buf) < 4 + int.from_bytes(buf[:4], "big"):
-            more = f.read(EXPORT_CHUNK_BYTES)
-            if not more:
-                if buf:
-                    raise ValueError(f"export file truncated at byte {offset}")
-                return
-            buf = memoryview(bytes(buf) + more)
-        n = int.from_bytes(buf[:4], "big")
-        yield _rec_decoder.decode(buf[4 : 4 + n])
-        buf = buf[4 + n :]
-        offset += 4 + n
+        more = f.read(EXPORT_CHUNK_BYTES)
+        if not more:
+            if data:
+                raise ValueError(f"export file truncated at byte {offset}")
+            return
+        data = data + more if data else more
+        pos = yield from _records_in(data, 0)
+        data, offset = data[pos:], offset + pos
 
 
 def audit_records(records: Iterable[Record], *, final: bool = True) -> AuditReport:

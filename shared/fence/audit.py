@@ -29,7 +29,6 @@ from shared.fence.schema import (
     Bound,
     Command,
     Commanded,
-    Decision,
     Discovered,
     Done,
     Hibernated,
@@ -40,7 +39,7 @@ from shared.fence.schema import (
     Restarting,
     Skipped,
 )
-from shared.fence.state import KeyState, fold
+from shared.fence.state import FOLDS, KeyState
 
 NODE_PREFIX = "vmfence-"  # a host's Node name is vmfence-<host> (shared.fence.podspec.NODE_PREFIX)
 
@@ -137,9 +136,9 @@ class Auditor:
         self.states: dict[str, KeyState] = {}
         self._commands: dict[str, dict[str, Command]] = {}
         self._vm_owner: dict[str, str] = {}  # vm_id -> key that has it live
-        self._types: Counter[type[msgspec.Struct]] = Counter()
+        self._counts: dict[type[msgspec.Struct], int] = dict.fromkeys(FOLDS, 0)  # decisions fed, by type
         self._skipped: Counter[str] = Counter()
-        self._violations: list[Violation] = []
+        self.found: list[Violation] = []  # violations found so far, in the order found
         self._entries = 0
         self._created = 0
         self._released = 0
@@ -162,7 +161,7 @@ class Auditor:
     @property
     def violations_found(self) -> int:
         """Violations found so far by feeding (a caller can tell which entry raised one)."""
-        return len(self._violations)
+        return len(self.found)
 
     def undecodable(self, key: str, seq: int | None, message: str) -> None:
         """A stored entry that did not decode (corrupt or forged): a violation at its position; the
@@ -171,7 +170,7 @@ class Auditor:
         self._bad(key, 0, seq, "undecodable_entry", message)
 
     def _bad(self, key: str, n: int, seq: int | None, rule: ViolationRule, message: str) -> None:
-        self._violations.append(Violation(key, n, rule, message, seq))
+        self.found.append(Violation(key, n, rule, message, seq))
 
     def feed(self, entry: LogEntry, seq: int | None = None) -> None:
         key = entry.key
@@ -187,17 +186,26 @@ class Auditor:
             rule: ViolationRule = "gap" if n > s.n + 1 else "repeat"
             self._bad(key, n, seq, rule, f"entry {n} follows entry {s.n}")
         checks = self._checks
+        counts = self._counts
         two_live = self._two_live
-        types = self._types
         for d in entry.decisions:
             t = type(d)
-            types[t] += 1
+            counts[t] += 1
             check = checks.get(t)
             if check is not None:
                 check(s, cmds, d, n, seq)
-            fold(s, d)
-            if t in _VM_CHANGING or key in two_live:
-                self._check_after(s, d, n, seq)
+            FOLDS[t](s, d)  # the writer's own fold (``fold`` is this table's lookup)
+            if t in _VM_CHANGING:
+                if len(s.vms) > 1:
+                    self._count_live(s, n, seq)
+                elif two_live and key in two_live:
+                    two_live.discard(key)
+                if isinstance(d, Bound):
+                    self._vm_owner[d.vm_id] = key
+                elif isinstance(d, Released | Hibernated):
+                    self._vm_owner.pop(d.vm_id, None)
+            elif two_live and key in two_live:
+                self._count_live(s, n, seq)
         s.n = n
 
     # ------------------------------------------------------------------ checks before the fold
@@ -292,7 +300,9 @@ class Auditor:
             cmds[d.effect_id] = pending.command
 
     # ------------------------------------------------------------------ checks after the fold
-    def _check_after(self, s: KeyState, d: Decision, n: int, seq: int | None) -> None:
+    def _count_live(self, s: KeyState, n: int, seq: int | None) -> None:
+        """After a decision that may change a key's VMs (or while it is in violation): more than one
+        live VM is a violation at this position."""
         key = s.key
         vms = s.vms
         if len(vms) > 1 and sum(1 for v in vms.values() if v.state in _LIVE_STATES) > 1:
@@ -301,13 +311,9 @@ class Auditor:
             self._two_live.add(key)
         else:
             self._two_live.discard(key)
-        if isinstance(d, Bound):
-            self._vm_owner[d.vm_id] = key
-        elif isinstance(d, Released | Hibernated):
-            self._vm_owner.pop(d.vm_id, None)
 
     def report(self, *, final: bool = True) -> AuditReport:
-        violations = list(self._violations)
+        violations = list(self.found)
         bound_live = 0
         for key, s in self.states.items():
             for rec in s.vms.values():
@@ -322,7 +328,7 @@ class Auditor:
                             "released, hibernated nor bound to the live incarnation",
                         )
                     )
-        by_type = {str(t.__struct_config__.tag): k for t, k in self._types.items()}
+        by_type = {str(t.__struct_config__.tag): k for t, k in self._counts.items() if k}
         vms_at_end = sum(len(s.vms) for s in self.states.values()) if final else 0
         broken = Counter(v.rule for v in violations)
         invariants = [
@@ -339,7 +345,7 @@ class Auditor:
             invariants=invariants,
             keys=len(self.states),
             entries=self._entries,
-            decisions=sum(self._types.values()),
+            decisions=sum(self._counts.values()),
             decisions_by_type=by_type,
             skipped=dict(self._skipped),
             vms_created=self._created,

@@ -7,7 +7,8 @@ rejects a decision (that is the audit's job) and never looks at anything but its
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import msgspec
 
@@ -143,169 +144,264 @@ def _cur_for(s: KeyState, fence: Fence) -> Incarnation | None:
     return s.cur if s.cur is not None and s.cur.fence == fence else None
 
 
+# ``fold`` is a table, one function per decision type: a replay folds millions of decisions, and
+# a dictionary lookup by type costs the same for every type where a chain of class patterns costs
+# one isinstance test per case tried before the match. tests/unit/test_fold_table.py checks that
+# every member of ``Decision`` has exactly one entry.
+
+
+def _done(s: KeyState, d: Done) -> None:
+    eid = d.effect_id
+    done = s.outbox.pop(eid, None)
+    if (
+        isinstance(done, Commanded)
+        and done.command.op == "survey"
+        and d.outcome == "ok"
+        and not any(_is_survey(e) for e in s.outbox.values())
+    ):
+        s.rebuilding = False
+    if s.verifying and eid in s.verifying:
+        if d.outcome != "ok":
+            s.verifying.clear()  # the round failed; the next one verifies
+        else:
+            s.verifying.remove(eid)
+            if not s.verifying and isinstance(done, Commanded) and done.command.fence.epoch >= s.epoch:
+                # every host answered a survey sent since the load at the current epoch:
+                # each has raised its key mark to it, so a command of a lost tail at or
+                # below it is refused there, and what each has of the key is known
+                s.unverified = False
+
+
+def _write_requested(s: KeyState, d: WriteRequested) -> None:
+    w = d.write
+    verb = w.verb
+    if verb != "event":
+        s.outbox[w.id] = d
+    if verb == "status" and (c := _cur_for(s, w.fence)) is not None:
+        c.status = w.status
+
+
+def _commanded(s: KeyState, d: Commanded) -> None:
+    cmd = d.command
+    op = cmd.op
+    s.outbox[cmd.id] = d
+    if s.unverified and op == "survey":
+        s.verifying.append(cmd.id)
+    rec = s.vms.get(cmd.vm_id)
+    if rec is not None:
+        if op == "remove":
+            rec.state = "removing"
+        elif op == "hibernate":
+            rec.state = "hibernating"
+        elif op == "adopt":
+            rec.state = "adopting"
+        elif op in ("start", "wake"):
+            rec.state = "waking" if op == "wake" else "creating"
+    elif op == "wake":
+        s.vms[cmd.vm_id] = VMRec(cmd.vm_id, cmd.host, cmd.fence, "waking")
+    elif op == "remove":
+        s.vms[cmd.vm_id] = VMRec(cmd.vm_id, cmd.host, cmd.fence, "removing")
+    elif op == "adopt":
+        s.vms[cmd.vm_id] = VMRec(cmd.vm_id, cmd.host, cmd.fence, "adopting")
+
+
+def _released(s: KeyState, d: Released) -> None:
+    vm_id = d.vm_id
+    s.vms.pop(vm_id, None)
+    if (c := _cur_for(s, d.fence)) is not None and c.vm_id == vm_id:
+        c.bound, c.ready, c.vm_id = False, False, None
+
+
+def _skipped(s: KeyState, d: Skipped) -> None:
+    if d.reason == "no_host" and s.cur is not None and s.cur.fence.uid == d.uid:
+        s.cur.unplaced = d.detail
+
+
+def _ready_changed(s: KeyState, d: ReadyChanged) -> None:
+    if (c := _cur_for(s, d.fence)) is not None:
+        c.ready = d.ready
+
+
+def _confirm_requested(s: KeyState, d: ConfirmRequested) -> None:
+    s.outbox[d.request] = d
+
+
+def _admitted(s: KeyState, d: Admitted) -> None:
+    f = d.fence
+    if f.epoch >= s.epoch:
+        s.epoch_uid = f.uid
+    s.epoch = max(s.epoch, f.epoch)
+    s.admitted_rv = max(s.admitted_rv, d.resource_version)
+    s.cur = Incarnation(fence=f, spec=d.spec, invalid=d.invalid, rv=d.resource_version, admitted_at=s.n + 1)
+    for rec in s.vms.values():
+        _note_name(s, rec.fence.uid, rec.vm_id)
+
+
+def _placed(s: KeyState, d: Placed) -> None:
+    f, vm_id, host = d.fence, d.vm_id, d.host
+    s.vms[vm_id] = VMRec(vm_id=vm_id, host=host, fence=f, state="creating")
+    if (c := _cur_for(s, f)) is not None:
+        c.vm_id, c.host, c.bound, c.gen = vm_id, host, False, c.gen + 1
+        c.unplaced = None
+
+
+def _bound(s: KeyState, d: Bound) -> None:
+    f, vm_id, host = d.fence, d.vm_id, d.host
+    rec = s.vms.get(vm_id)
+    if rec is None:
+        rec = s.vms[vm_id] = VMRec(vm_id, host, f, "running")
+    rec.fence, rec.state, rec.host = f, "running", host
+    if (c := _cur_for(s, f)) is not None:
+        c.vm_id, c.host, c.bound, c.ip, c.vnc_port = vm_id, host, True, d.ip, d.vnc_port
+        c.phase = "Running"
+        c.hibernated = False
+        c.snapshot = c.snapshot_host = c.hibernated_vm = None
+        c.failures, c.failure, c.failure_repeats = 0, None, 0
+
+
+def _delete_claimed(s: KeyState, d: DeleteClaimed) -> None:
+    if (c := _cur_for(s, d.fence)) is not None:
+        c.delete_claim, c.deleting = True, True
+
+
+def _forgotten(s: KeyState, d: Forgotten) -> None:
+    f = d.fence
+    _tombstone(s, f.uid)
+    if s.cur is not None and s.cur.fence.uid == f.uid:
+        s.cur = None
+    # its writes and timers can no longer matter; its commands still can (a late result
+    # may move a VM's ownership), so they stay until answered
+    for eid, eff in list(s.outbox.items()):
+        if _effect_fence(eff) == f and not isinstance(eff, Commanded):
+            del s.outbox[eid]
+
+
+def _superseded(s: KeyState, d: Superseded) -> None:
+    f = d.fence
+    _tombstone(s, f.uid)
+    if s.cur is not None and s.cur.fence.uid == f.uid:
+        s.cur = None
+
+
+def _adopted(s: KeyState, d: Adopted) -> None:
+    rec = s.vms.get(d.vm_id)
+    if rec is not None:
+        rec.fence, rec.state, rec.host = d.fence, "running", d.host
+
+
+def _eviction_requested(s: KeyState, d: EvictionRequested) -> None:
+    if (c := _cur_for(s, d.fence)) is not None:
+        c.evicting = True
+        c.eviction_deferred = None
+
+
+def _eviction_deferred(s: KeyState, d: EvictionDeferred) -> None:
+    if (c := _cur_for(s, d.fence)) is not None:
+        c.eviction_deferred = d.vm_id
+
+
+def _hibernated(s: KeyState, d: Hibernated) -> None:
+    vm_id = d.vm_id
+    s.vms.pop(vm_id, None)
+    if (c := _cur_for(s, d.fence)) is not None:
+        c.hibernated, c.snapshot, c.snapshot_host = True, d.snapshot, d.host
+        c.hibernated_vm = vm_id
+        c.bound, c.ready, c.vm_id = False, False, None
+
+
+def _restarting(s: KeyState, d: Restarting) -> None:
+    if (c := _cur_for(s, d.fence)) is not None:
+        c.restart_count, c.ready = d.restart_count, False
+        if c.vm_id in s.vms:
+            s.vms[c.vm_id].state = "exited"
+
+
+def _bring_up_failed(s: KeyState, d: BringUpFailed) -> None:
+    if (c := _cur_for(s, d.fence)) is not None:
+        c.failures, c.failure, c.failure_repeats = d.failures, d.cause, d.repeats
+
+
+def _failed(s: KeyState, d: Failed) -> None:
+    if (c := _cur_for(s, d.fence)) is not None:
+        c.phase, c.ready = "Failed", False
+
+
+def _succeeded(s: KeyState, d: Succeeded) -> None:
+    if (c := _cur_for(s, d.fence)) is not None:
+        c.phase, c.ready = "Succeeded", False
+
+
+def _spec_changed(s: KeyState, d: SpecChanged) -> None:
+    if (c := _cur_for(s, d.fence)) is not None:
+        c.spec, c.rv, c.invalid = d.spec, d.resource_version, d.invalid
+
+
+def _timer_armed(s: KeyState, d: TimerArmed) -> None:
+    s.outbox[d.timer_id] = d
+
+
+def _rebuilt(s: KeyState, d: Rebuilt) -> None:
+    # Nothing the lost tail may have done is trusted: the current incarnation is fenced
+    # anew above every epoch its writer knew, its VM knowledge is dropped (the survey
+    # rediscovers what hosts really have), and commands still in flight are forgotten
+    # (agents refuse them: their epochs are below the survey's).
+    floor = d.epoch_floor
+    s.epoch = max(s.epoch, floor) + 1
+    s.rebuilding = True
+    s.vms.clear()
+    s.verifying.clear()
+    for eid, eff in list(s.outbox.items()):
+        if isinstance(eff, Commanded):
+            del s.outbox[eid]
+    s.epoch_uid = s.cur.fence.uid if s.cur is not None else NO_INCARNATION
+    if s.cur is not None:
+        c = s.cur
+        c.fence = Fence(s.key, c.fence.uid, s.epoch)
+        c.vm_id, c.bound, c.ready = None, False, False
+
+
+def _discovered(s: KeyState, d: Discovered) -> None:
+    f, vm_id, host = d.fence, d.vm_id, d.host
+    _note_name(s, f.uid, vm_id)
+    rec = s.vms.get(vm_id)
+    if rec is None:
+        s.vms[vm_id] = VMRec(vm_id=vm_id, host=host, fence=f, state="discovered")
+    else:
+        rec.fence, rec.host = f, host
+
+
+FOLDS: dict[type[msgspec.Struct], Callable[[KeyState, Any], None]] = {
+    Done: _done,
+    WriteRequested: _write_requested,
+    Commanded: _commanded,
+    Released: _released,
+    Skipped: _skipped,
+    ReadyChanged: _ready_changed,
+    ConfirmRequested: _confirm_requested,
+    Admitted: _admitted,
+    Placed: _placed,
+    Bound: _bound,
+    DeleteClaimed: _delete_claimed,
+    Forgotten: _forgotten,
+    Superseded: _superseded,
+    Adopted: _adopted,
+    EvictionRequested: _eviction_requested,
+    EvictionDeferred: _eviction_deferred,
+    Hibernated: _hibernated,
+    Restarting: _restarting,
+    BringUpFailed: _bring_up_failed,
+    Failed: _failed,
+    Succeeded: _succeeded,
+    SpecChanged: _spec_changed,
+    TimerArmed: _timer_armed,
+    Rebuilt: _rebuilt,
+    Discovered: _discovered,
+}
+
+
 def fold(s: KeyState, d: Decision) -> KeyState:
-    """Apply one decision to ``s`` in place and return it."""
-    # The cases are tried in turn, so the most frequent decisions of a real log come first (replay
-    # and the reconciler fold every one); the classes are disjoint, so the order changes nothing else.
-    match d:
-        case Done(effect_id=eid):
-            done = s.outbox.pop(eid, None)
-            if (
-                isinstance(done, Commanded)
-                and done.command.op == "survey"
-                and d.outcome == "ok"
-                and not any(_is_survey(e) for e in s.outbox.values())
-            ):
-                s.rebuilding = False
-            if eid in s.verifying:
-                if d.outcome != "ok":
-                    s.verifying.clear()  # the round failed; the next one verifies
-                else:
-                    s.verifying.remove(eid)
-                    if not s.verifying and isinstance(done, Commanded) and done.command.fence.epoch >= s.epoch:
-                        # every host answered a survey sent since the load at the current epoch:
-                        # each has raised its key mark to it, so a command of a lost tail at or
-                        # below it is refused there, and what each has of the key is known
-                        s.unverified = False
-        case WriteRequested(write=w):
-            if w.verb != "event":
-                s.outbox[w.id] = d
-            if w.verb == "status" and (c := _cur_for(s, w.fence)) is not None:
-                c.status = w.status
-        case Commanded(command=cmd):
-            s.outbox[cmd.id] = d
-            if s.unverified and cmd.op == "survey":
-                s.verifying.append(cmd.id)
-            rec = s.vms.get(cmd.vm_id)
-            if rec is not None:
-                if cmd.op == "remove":
-                    rec.state = "removing"
-                elif cmd.op == "hibernate":
-                    rec.state = "hibernating"
-                elif cmd.op == "adopt":
-                    rec.state = "adopting"
-                elif cmd.op in ("start", "wake"):
-                    rec.state = "waking" if cmd.op == "wake" else "creating"
-            elif cmd.op == "wake":
-                s.vms[cmd.vm_id] = VMRec(cmd.vm_id, cmd.host, cmd.fence, "waking")
-            elif cmd.op == "remove":
-                s.vms[cmd.vm_id] = VMRec(cmd.vm_id, cmd.host, cmd.fence, "removing")
-            elif cmd.op == "adopt":
-                s.vms[cmd.vm_id] = VMRec(cmd.vm_id, cmd.host, cmd.fence, "adopting")
-        case Released(fence=f, vm_id=vm_id):
-            s.vms.pop(vm_id, None)
-            if (c := _cur_for(s, f)) is not None and c.vm_id == vm_id:
-                c.bound, c.ready, c.vm_id = False, False, None
-        case Skipped(reason="no_host", uid=uid, detail=why):
-            if s.cur is not None and s.cur.fence.uid == uid:
-                s.cur.unplaced = why
-        case Skipped():
-            pass
-        case ReadyChanged(fence=f, ready=ready):
-            if (c := _cur_for(s, f)) is not None:
-                c.ready = ready
-        case ConfirmRequested(request=req):
-            s.outbox[req] = d
-        case Admitted(fence=f, spec=spec, invalid=invalid, resource_version=rv):
-            if f.epoch >= s.epoch:
-                s.epoch_uid = f.uid
-            s.epoch = max(s.epoch, f.epoch)
-            s.admitted_rv = max(s.admitted_rv, rv)
-            s.cur = Incarnation(fence=f, spec=spec, invalid=invalid, rv=rv, admitted_at=s.n + 1)
-            for rec in s.vms.values():
-                _note_name(s, rec.fence.uid, rec.vm_id)
-        case Placed(fence=f, vm_id=vm_id, host=host):
-            s.vms[vm_id] = VMRec(vm_id=vm_id, host=host, fence=f, state="creating")
-            if (c := _cur_for(s, f)) is not None:
-                c.vm_id, c.host, c.bound, c.gen = vm_id, host, False, c.gen + 1
-                c.unplaced = None
-        case Bound(fence=f, vm_id=vm_id, host=host, ip=ip, vnc_port=vnc):
-            rec = s.vms.get(vm_id)
-            if rec is None:
-                rec = s.vms[vm_id] = VMRec(vm_id, host, f, "running")
-            rec.fence, rec.state, rec.host = f, "running", host
-            if (c := _cur_for(s, f)) is not None:
-                c.vm_id, c.host, c.bound, c.ip, c.vnc_port = vm_id, host, True, ip, vnc
-                c.phase = "Running"
-                c.hibernated = False
-                c.snapshot = c.snapshot_host = c.hibernated_vm = None
-                c.failures, c.failure, c.failure_repeats = 0, None, 0
-        case DeleteClaimed(fence=f):
-            if (c := _cur_for(s, f)) is not None:
-                c.delete_claim, c.deleting = True, True
-        case Forgotten(fence=f):
-            _tombstone(s, f.uid)
-            if s.cur is not None and s.cur.fence.uid == f.uid:
-                s.cur = None
-            # its writes and timers can no longer matter; its commands still can (a late result
-            # may move a VM's ownership), so they stay until answered
-            for eid, eff in list(s.outbox.items()):
-                if _effect_fence(eff) == f and not isinstance(eff, Commanded):
-                    del s.outbox[eid]
-        case Superseded(fence=f):
-            _tombstone(s, f.uid)
-            if s.cur is not None and s.cur.fence.uid == f.uid:
-                s.cur = None
-        case Adopted(fence=f, vm_id=vm_id, host=host):
-            rec = s.vms.get(vm_id)
-            if rec is not None:
-                rec.fence, rec.state, rec.host = f, "running", host
-        case EvictionRequested(fence=f):
-            if (c := _cur_for(s, f)) is not None:
-                c.evicting = True
-                c.eviction_deferred = None
-        case EvictionDeferred(fence=f, vm_id=vm_id):
-            if (c := _cur_for(s, f)) is not None:
-                c.eviction_deferred = vm_id
-        case Hibernated(fence=f, vm_id=vm_id, host=host, snapshot=snap):
-            s.vms.pop(vm_id, None)
-            if (c := _cur_for(s, f)) is not None:
-                c.hibernated, c.snapshot, c.snapshot_host = True, snap, host
-                c.hibernated_vm = vm_id
-                c.bound, c.ready, c.vm_id = False, False, None
-        case Restarting(fence=f, restart_count=count):
-            if (c := _cur_for(s, f)) is not None:
-                c.restart_count, c.ready = count, False
-                if c.vm_id in s.vms:
-                    s.vms[c.vm_id].state = "exited"
-        case BringUpFailed(fence=f, failures=failures, cause=cause, repeats=repeats):
-            if (c := _cur_for(s, f)) is not None:
-                c.failures, c.failure, c.failure_repeats = failures, cause, repeats
-        case Failed(fence=f):
-            if (c := _cur_for(s, f)) is not None:
-                c.phase, c.ready = "Failed", False
-        case Succeeded(fence=f):
-            if (c := _cur_for(s, f)) is not None:
-                c.phase, c.ready = "Succeeded", False
-        case SpecChanged(fence=f, spec=spec, resource_version=rv, invalid=invalid):
-            if (c := _cur_for(s, f)) is not None:
-                c.spec, c.rv, c.invalid = spec, rv, invalid
-        case TimerArmed(timer_id=tid):
-            s.outbox[tid] = d
-        case Rebuilt(epoch_floor=floor):
-            # Nothing the lost tail may have done is trusted: the current incarnation is fenced
-            # anew above every epoch its writer knew, its VM knowledge is dropped (the survey
-            # rediscovers what hosts really have), and commands still in flight are forgotten
-            # (agents refuse them: their epochs are below the survey's).
-            s.epoch = max(s.epoch, floor) + 1
-            s.rebuilding = True
-            s.vms.clear()
-            s.verifying.clear()
-            for eid, eff in list(s.outbox.items()):
-                if isinstance(eff, Commanded):
-                    del s.outbox[eid]
-            s.epoch_uid = s.cur.fence.uid if s.cur is not None else NO_INCARNATION
-            if s.cur is not None:
-                c = s.cur
-                c.fence = Fence(s.key, c.fence.uid, s.epoch)
-                c.vm_id, c.bound, c.ready = None, False, False
-        case Discovered(fence=f, vm_id=vm_id, host=host):
-            _note_name(s, f.uid, vm_id)
-            rec = s.vms.get(vm_id)
-            if rec is None:
-                s.vms[vm_id] = VMRec(vm_id=vm_id, host=host, fence=f, state="discovered")
-            else:
-                rec.fence, rec.host = f, host
+    """Apply one decision to ``s`` in place and return it (the table's function for its type)."""
+    FOLDS[type(d)](s, d)
     return s
 
 

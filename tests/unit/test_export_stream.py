@@ -33,3 +33,27 @@ def test_a_truncated_or_foreign_stream_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="not a vmfence export"):
         list(iter_export_stream(io.BytesIO(b"PK\x03\x04" + data)))
     assert list(iter_export_stream(io.BytesIO(EXPORT_MAGIC))) == []
+
+
+@pytest.mark.parametrize("release", [1, 4096, 1 << 24])
+def test_a_mapped_file_reads_what_the_whole_file_holds(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                      release: int) -> None:
+    """A regular file is mapped rather than read (and its pages handed back as it goes): the same
+    records, whichever page the hand-back falls on."""
+    data = _export(300)
+    path = tmp_path / "log.export"
+    path.write_bytes(data)
+    monkeypatch.setattr(logstream, "MAPPED_RELEASE_BYTES", release)
+    with open(path, "rb") as f:
+        assert logstream._mapped(f) is not None
+        assert list(iter_export_stream(f)) == list(iter_export(data))
+
+
+def test_a_truncated_mapped_file_is_a_clear_error(tmp_path) -> None:
+    path = tmp_path / "log.export"
+    path.write_bytes(_export(5)[:-3])
+    with open(path, "rb") as f, pytest.raises(ValueError, match="truncated"):
+        list(iter_export_stream(f))
+    path.write_bytes(EXPORT_MAGIC)
+    with open(path, "rb") as f:
+        assert list(iter_export_stream(f)) == []
