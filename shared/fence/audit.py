@@ -8,7 +8,8 @@ Invariants (DESIGN.md, "Audit and decision streams"):
   * epochs strictly increase and a tombstoned uid is never admitted or acted for again;
   * every command carries the fence current at its position (a remove may carry the fence of the
     VM's own owner: cleaning up a predecessor is allowed);
-  * every applied result (bound, released, hibernated) matches its command's fence and VM;
+  * every applied result (bound, released, hibernated) matches the fence and VM of its command,
+    finished in the same entry (the policy decides a result together with its Done);
   * at most one VM per key is live (not being removed) at every position, and a VM name is bound to
     one incarnation at a time;
   * a pod's VM is placed only on the host its ``spec.nodeName`` names (once the log records one);
@@ -82,7 +83,8 @@ INVARIANTS: tuple[tuple[str, str, tuple[ViolationRule, ...], tuple[str, ...]], .
     ("commands_carry_the_current_fence",
      "every placement and command carries the fence current at its position (a remove: its VM owner's)",
      ("command_fence_not_current",), ("placed", "commanded")),
-    ("results_match_their_commands", "every applied result names the VM and fence of the command it answers",
+    ("results_match_their_commands",
+     "every applied result names the VM and fence of the command it answers, finished in the same entry",
      ("result_fence_mismatch",), ("bound", "adopted", "released", "hibernated")),
     ("bound_only_to_the_current_incarnation", "a VM is bound only to the incarnation current at that position",
      ("bound_not_current",), ("bound",)),
@@ -134,7 +136,6 @@ class Auditor:
 
     def __init__(self) -> None:
         self.states: dict[str, KeyState] = {}
-        self._commands: dict[str, dict[str, Command]] = {}
         self._vm_owner: dict[str, str] = {}  # vm_id -> key that has it live
         self._counts: dict[type[msgspec.Struct], int] = dict.fromkeys(FOLDS, 0)  # decisions fed, by type
         self._skipped: Counter[str] = Counter()
@@ -178,9 +179,10 @@ class Auditor:
         s = self.states.get(key)
         if s is None:
             s = self.states[key] = KeyState(key=key)
-            cmds = self._commands[key] = {}
-        else:
-            cmds = self._commands[key]
+        # the commands this entry finishes: the policy decides a result in the same entry as its
+        # command's Done (decide._on_result), so a result is checked against those and nothing
+        # older (which also keeps the audit's memory off the log's length)
+        cmds: dict[str, Command] = {}
         self._entries += 1
         if n != s.n + 1:
             rule: ViolationRule = "gap" if n > s.n + 1 else "repeat"
@@ -294,7 +296,7 @@ class Auditor:
             self._stranded.setdefault(s.key, set()).add(d.detail)
 
     def _done(self, s: KeyState, cmds: dict[str, Command], d: Done, n: int, seq: int | None) -> None:
-        # a finished command is remembered: results (bound, adopted, released) are checked against it
+        # a command finished by this entry: its results (bound, adopted, released) are checked against it
         pending = s.outbox.get(d.effect_id)
         if isinstance(pending, Commanded):
             cmds[d.effect_id] = pending.command

@@ -87,3 +87,21 @@ def test_a_vm_left_behind_is_unsettled_at_the_end() -> None:
     log = entries(A, [*bring_up(A, "u1", 1, "vm-1"), [Forgotten(f)]])
     assert rules(audit(log, final=False)) == []
     assert rules(audit(log)) == [(A, 4, "unsettled_vm")]
+
+
+def test_a_result_is_checked_against_the_command_its_own_entry_finishes() -> None:
+    """The policy decides a result with its command's Done, in one entry; a result that names a
+    command finished in an earlier entry answers nothing (a replayed or forged result), so the
+    audit keeps no finished command past its entry."""
+    f = Fence(A, "u1", 1)
+    same_entry = entries(A, [*bring_up(A, "u1", 1, "vm-1"),
+                             [Commanded(Command("rm", "remove", f, "host-a", "vm-1"))],
+                             [Done("rm", "ok"), Released(f, "vm-1", "host-a", "deleted", "rm"), Forgotten(f)]])
+    assert audit(same_entry).clean
+    later = entries(A, [*bring_up(A, "u1", 1, "vm-1"),
+                        [Commanded(Command("rm", "remove", f, "host-a", "vm-1"))],
+                        [Done("rm", "ok")],
+                        [Released(f, "vm-1", "host-a", "deleted", "rm"), Forgotten(f)]])
+    assert (A, 6, "result_fence_mismatch") in rules(audit(later))
+    rebound = entries(A, [*bring_up(A, "u1", 1, "vm-1"), [Bound(f, "vm-1", "host-a", "vm-1-create")]])
+    assert (A, 4, "result_fence_mismatch") in rules(audit(rebound))
