@@ -6,6 +6,9 @@ import argparse
 import contextlib
 import gc
 import importlib.metadata
+import os
+import resource
+import stat
 import sys
 import time
 from collections.abc import Iterable
@@ -18,6 +21,7 @@ from rich.table import Table
 
 from services.cli.common import CliError, open_bus
 from services.cli.decisions import stamp
+from services.cli.replayjobs import MAX_JOBS, SHARDED_MIN_BYTES, Merged, audit_file, default_jobs
 from shared.bus.connect import mask_url
 from shared.bus.logstream import EXPORT_MAGIC, Record, encode_record, iter_export_stream, read_log
 from shared.fence.audit import Auditor, AuditReport
@@ -30,12 +34,26 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML audit report")
     p.add_argument("--not-final", action="store_true", help="the system is still running: skip end checks")
+    p.add_argument("--jobs", type=_jobs, default=None, metavar="N",
+                   help="processes for a file replay, each auditing a share of the keys (default: the CPUs "
+                        f"this process may use, at most 8; 1: one process; files under "
+                        f"{SHARDED_MIN_BYTES >> 20} MiB, standard input and --html always use one)")
     p.set_defaults(run=replay)
 
     p = sub.add_parser("export", help="write the whole log to a file that `replay --file` reads")
     p.add_argument("--nats-url", "--nats", dest="nats", help="NATS URL (default: VMFENCE_NATS_URL or the local stack)")
     p.add_argument("-o", "--output", default="-", help="the file to write ('-', the default: standard output)")
     p.set_defaults(run=export)
+
+
+def _jobs(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of processes: {text!r}") from None
+    if not 1 <= n <= MAX_JOBS:
+        raise argparse.ArgumentTypeError(f"--jobs must be 1..{MAX_JOBS}, not {n}")
+    return n
 
 
 class Origin(msgspec.Struct):
@@ -63,6 +81,9 @@ class AuditRun:
         self.violation_times: list[float] = []
         self._first_t = 0.0
         self._last_t = 0.0
+        self._merged: AuditReport | None = None  # a sharded replay's report, made by its processes
+        self.jobs = 1
+        self.shard_cpu_seconds = 0.0  # what the shard processes spent (the caller's CPU is apart)
 
     def feed(self, rec: Record) -> None:
         self.feed_all((rec,))
@@ -97,8 +118,18 @@ class AuditRun:
             last_seq = rec.seq
         origin.last_seq, self._last_t = last_seq, last_t
 
+    def take_merged(self, merged: Merged, jobs: int) -> None:
+        """The result of a sharded replay of the whole log (``services.cli.replayjobs``)."""
+        self._merged = merged.report
+        self.violation_times = merged.violation_times
+        self.origin.first_seq, self._first_t = merged.first_seq, merged.first_t
+        self.origin.last_seq, self._last_t = merged.last_seq, merged.last_t
+        self.jobs, self.shard_cpu_seconds = jobs, merged.cpu_seconds
+
     def report(self, *, final: bool) -> AuditReport:
         self.origin.first_time, self.origin.last_time = stamp(self._first_t), stamp(self._last_t)
+        if self._merged is not None:
+            return self._merged
         return self.auditor.report(final=final)
 
 
@@ -109,11 +140,30 @@ def _feed_export(run: AuditRun, path: str) -> None:
         run.feed_all(iter_export_stream(f))
 
 
+def _jobs_for(args: argparse.Namespace) -> int:
+    """How many processes replay this file: one for a pipe, a small file or an HTML report (which
+    needs every record in one process)."""
+    jobs = args.jobs if args.jobs is not None else default_jobs()
+    if jobs == 1 or args.file == "-" or args.html:
+        return 1
+    try:
+        st = os.stat(args.file)
+    except OSError:
+        return 1  # the one-process path reports the error
+    if not stat.S_ISREG(st.st_mode) or (args.jobs is None and st.st_size < SHARDED_MIN_BYTES):
+        return 1
+    return jobs
+
+
 async def _audit(args: argparse.Namespace) -> AuditRun:
     if args.file:
         run = AuditRun(Origin("file", args.file), keep=bool(args.html))
         try:
-            _feed_export(run, args.file)  # CPU-bound, and nothing else runs meanwhile
+            jobs = _jobs_for(args)
+            if jobs > 1:
+                run.take_merged(audit_file(args.file, jobs, final=not args.not_final), jobs)
+            else:
+                _feed_export(run, args.file)  # CPU-bound, and nothing else runs meanwhile
         except (OSError, ValueError, msgspec.DecodeError) as exc:
             raise CliError(f"cannot read {args.file}: {exc}") from None
         return run
@@ -128,6 +178,13 @@ async def _audit(args: argparse.Namespace) -> AuditRun:
     finally:
         await bus.close()
     return run
+
+
+def _peak_rss_mib() -> float:
+    """The largest resident memory of this replay's processes (itself, or a shard it ran)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    shards = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return round(max(own, shards) / 1024, 1)  # Linux reports KiB
 
 
 def _version() -> str:
@@ -146,6 +203,8 @@ def report_json(run: AuditRun, report: AuditReport, *, seconds: float, cpu_secon
     out["clean"] = report.clean
     out["seconds"] = round(seconds, 6)
     out["cpu_seconds"] = round(cpu_seconds, 6)
+    out["jobs"] = run.jobs
+    out["peak_rss_mib"] = _peak_rss_mib()
     out["origin"] = msgspec.to_builtins(run.origin)
     out["created"] = created
     out["vmfence_version"] = _version()
@@ -165,7 +224,8 @@ async def replay(args: argparse.Namespace) -> int:
         report = run.report(final=not args.not_final)
     finally:
         gc.enable()
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    seconds = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start + run.shard_cpu_seconds
     if args.html:
         from services.cli.report import ReportContext, write_html
 
@@ -202,7 +262,7 @@ def _print_report(run: AuditRun, report: AuditReport, seconds: float) -> None:
         table.add_row(f"checked: {inv.name}", f"{inv.positions} positions, {inv.violations} violations")
     verdict = "[green]clean[/green]" if report.clean else f"[red]{len(report.violations)} violation(s)[/red]"
     table.add_row("verdict", verdict)
-    table.add_row("seconds", f"{seconds:.2f}")
+    table.add_row("seconds", f"{seconds:.2f}" + (f" ({run.jobs} processes)" if run.jobs > 1 else ""))
     console.print(table)
     times = [*run.violation_times, *([0.0] * len(report.violations))]
     for v, t in zip(report.violations, times, strict=False):

@@ -71,6 +71,17 @@ class InvariantCheck(msgspec.Struct, frozen=True):
     violations: int
 
 
+class VMEvent(msgspec.Struct, array_like=True, frozen=True):
+    """A VM bound to a key, or released or hibernated by it, as one shard of a sharded audit saw it:
+    whether a VM is live for one key at a time spans keys, so the merge checks it (``vm_events``)."""
+
+    seq: int
+    key: str
+    n: int
+    vm_id: str
+    bound: bool
+
+
 # name, meaning, the violation rules that break it, the decision types at which it is checked
 # ("entry": every entry; "vm": every VM left at the end, when the audit is final)
 INVARIANTS: tuple[tuple[str, str, tuple[ViolationRule, ...], tuple[str, ...]], ...] = (
@@ -134,9 +145,12 @@ class Auditor:
     after decisions that can change them (or while a key is already in violation, so a lasting
     violation is reported at every position as before)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, shard: bool = False) -> None:
         self.states: dict[str, KeyState] = {}
         self._vm_owner: dict[str, str] = {}  # vm_id -> key that has it live
+        # one shard of a sharded audit (it sees only some keys): instead of checking that a VM is
+        # live for one key at a time, it records each bind and release for the merge to check
+        self.vm_events: list[VMEvent] | None = [] if shard else None
         self._counts: dict[type[msgspec.Struct], int] = dict.fromkeys(FOLDS, 0)  # decisions fed, by type
         self._skipped: Counter[str] = Counter()
         self.found: list[Violation] = []  # violations found so far, in the order found
@@ -202,10 +216,8 @@ class Auditor:
                     self._count_live(s, n, seq)
                 elif two_live and key in two_live:
                     two_live.discard(key)
-                if isinstance(d, Bound):
-                    self._vm_owner[d.vm_id] = key
-                elif isinstance(d, Released | Hibernated):
-                    self._vm_owner.pop(d.vm_id, None)
+                if isinstance(d, Bound | Released | Hibernated):
+                    self._owner_changed(d, key, n, seq)
             elif two_live and key in two_live:
                 self._count_live(s, n, seq)
         s.n = n
@@ -263,9 +275,10 @@ class Auditor:
         cur = s.cur
         if cur is None or cur.fence != f:
             self._bad(key, n, seq, "bound_not_current", f"bound {vm_id} to non-current {f}")
-        owner = self._vm_owner.get(vm_id)
-        if owner is not None and owner != key:
-            self._bad(key, n, seq, "vm_bound_twice", f"{vm_id} already live for {owner}")
+        if self.vm_events is None:
+            owner = self._vm_owner.get(vm_id)
+            if owner is not None and owner != key:
+                self._bad(key, n, seq, "vm_bound_twice", f"{vm_id} already live for {owner}")
 
     def _adopted(self, s: KeyState, cmds: dict[str, Command], d: Adopted, n: int, seq: int | None) -> None:
         f, vm_id, cid = d.fence, d.vm_id, d.command_id
@@ -302,6 +315,14 @@ class Auditor:
             cmds[d.effect_id] = pending.command
 
     # ------------------------------------------------------------------ checks after the fold
+    def _owner_changed(self, d: Bound | Released | Hibernated, key: str, n: int, seq: int | None) -> None:
+        if self.vm_events is not None:
+            self.vm_events.append(VMEvent(seq or 0, key, n, d.vm_id, isinstance(d, Bound)))
+        elif isinstance(d, Bound):
+            self._vm_owner[d.vm_id] = key
+        else:
+            self._vm_owner.pop(d.vm_id, None)
+
     def _count_live(self, s: KeyState, n: int, seq: int | None) -> None:
         """After a decision that may change a key's VMs (or while it is in violation): more than one
         live VM is a violation at this position."""
@@ -332,16 +353,9 @@ class Auditor:
                     )
         by_type = {str(t.__struct_config__.tag): k for t, k in self._counts.items() if k}
         vms_at_end = sum(len(s.vms) for s in self.states.values()) if final else 0
-        broken = Counter(v.rule for v in violations)
-        invariants = [
-            InvariantCheck(
-                name, meaning, list(rules),
-                positions=sum(self._entries if w == "entry" else vms_at_end if w == "vm" else by_type.get(w, 0)
-                              for w in where),
-                violations=sum(broken[r] for r in rules),
-            )
-            for name, meaning, rules, where in INVARIANTS
-        ]
+        positions = [sum(self._entries if w == "entry" else vms_at_end if w == "vm" else by_type.get(w, 0)
+                         for w in where) for _name, _meaning, _rules, where in INVARIANTS]
+        invariants = _invariant_checks(positions, violations)
         return AuditReport(
             final=final,
             invariants=invariants,
@@ -355,6 +369,57 @@ class Auditor:
             vms_bound_live=bound_live,
             violations=violations,
         )
+
+
+def _invariant_checks(positions: list[int], violations: list[Violation]) -> list[InvariantCheck]:
+    broken = Counter(v.rule for v in violations)
+    return [
+        InvariantCheck(name, meaning, list(rules), positions=checked, violations=sum(broken[r] for r in rules))
+        for (name, meaning, rules, _where), checked in zip(INVARIANTS, positions, strict=True)
+    ]
+
+
+def vm_bound_twice(events: Iterable[VMEvent]) -> list[tuple[int, Violation]]:
+    """The check a sharded audit leaves to its merge, over every shard's VM events in stream order:
+    a VM bound to a key while another key has it live. Each violation with the index of its event."""
+    owner: dict[str, str] = {}
+    found: list[tuple[int, Violation]] = []
+    for i, e in enumerate(events):
+        if e.bound:
+            had = owner.get(e.vm_id)
+            if had is not None and had != e.key:
+                found.append((i, Violation(e.key, e.n, "vm_bound_twice", f"{e.vm_id} already live for {had}", e.seq)))
+            owner[e.vm_id] = e.key
+        else:
+            owner.pop(e.vm_id, None)
+    return found
+
+
+def merge_reports(parts: list[AuditReport], cross_key: list[Violation]) -> AuditReport:
+    """One report of shards that audited disjoint sets of keys of one log, plus the violations the
+    merge found across them (``vm_bound_twice``). Counts add up; violations are in stream order
+    (those found at the end, without a position, last)."""
+    violations = sorted([v for p in parts for v in p.violations] + cross_key,
+                        key=lambda v: (v.seq is None, v.seq or 0))
+    by_type: Counter[str] = Counter()
+    skipped: Counter[str] = Counter()
+    for p in parts:
+        by_type.update(p.decisions_by_type)
+        skipped.update(p.skipped)
+    positions = [sum(p.invariants[i].positions for p in parts) for i in range(len(INVARIANTS))]
+    return AuditReport(
+        keys=sum(p.keys for p in parts),
+        entries=sum(p.entries for p in parts),
+        decisions=sum(p.decisions for p in parts),
+        decisions_by_type=dict(by_type),
+        skipped=dict(skipped),
+        vms_created=sum(p.vms_created for p in parts),
+        vms_released=sum(p.vms_released for p in parts),
+        vms_bound_live=sum(p.vms_bound_live for p in parts),
+        violations=violations,
+        invariants=_invariant_checks(positions, violations),
+        final=all(p.final for p in parts),
+    )
 
 
 def audit(entries: Iterable[LogEntry | tuple[int | None, LogEntry]], *, final: bool = True) -> AuditReport:
