@@ -23,7 +23,7 @@ from services.cli.common import CliError, open_bus
 from services.cli.decisions import stamp
 from services.cli.replayjobs import MAX_JOBS, SHARDED_MIN_BYTES, Merged, audit_file, default_jobs
 from shared.bus.connect import mask_url
-from shared.bus.logstream import EXPORT_MAGIC, Record, encode_record, iter_export_stream, read_log
+from shared.bus.logstream import EXPORT_MAGIC, Record, encode_record, iter_export_batches, read_log
 from shared.fence.audit import Auditor, AuditReport
 
 
@@ -137,7 +137,8 @@ def _feed_export(run: AuditRun, path: str) -> None:
     """Feed an export file (``-``: standard input, as in ``vmfence export | vmfence replay --file -``)
     to the audit as it is read, a chunk at a time."""
     with contextlib.nullcontext(sys.stdin.buffer) if path == "-" else open(path, "rb") as f:
-        run.feed_all(iter_export_stream(f))
+        for batch in iter_export_batches(f):
+            run.feed_all(batch)
 
 
 def _jobs_for(args: argparse.Namespace) -> int:

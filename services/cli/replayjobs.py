@@ -11,14 +11,15 @@ forks cost more than they save (``SHARDED_MIN_BYTES``).
 
 from __future__ import annotations
 
+import array
 import heapq
 import mmap
 import multiprocessing
 import os
 import time
 import zlib
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Iterable, Iterator
+from multiprocessing.connection import Connection
 
 import msgspec
 
@@ -27,7 +28,6 @@ from shared.fence.audit import Auditor, AuditReport, Violation, VMEvent, merge_r
 
 SHARDED_MIN_BYTES = 8 * 1024 * 1024
 MAX_JOBS = 64
-DECODE_BATCH = 64  # records decoded before they are audited: the decoder's and the audit's code stay hot
 
 
 class _KeyOnlyEntry(msgspec.Struct):
@@ -97,8 +97,78 @@ def key_bytes(data: bytes | mmap.mmap, start: int, end: int) -> bytes:
 _key_only = msgspec.msgpack.Decoder(_KeyOnlyRecord).decode
 
 
-def audit_shard(path: str, shard: int, shards: int, final: bool) -> ShardResult:
-    """Audit the records of ``path`` whose keys fall in ``shard`` (run in a forked process)."""
+class _PagesBack:
+    """Hands the pages of a mapped file read so far back to the kernel every
+    ``MAPPED_RELEASE_BYTES``: they stay in the page cache, and the process's resident memory stays
+    its audit's, not the file's."""
+
+    def __init__(self, data: bytes | mmap.mmap) -> None:
+        self.mapped = data if isinstance(data, mmap.mmap) else None
+        self.released = 0
+
+    def upto(self, pos: int) -> None:
+        if self.mapped is not None and pos - self.released >= MAPPED_RELEASE_BYTES:
+            end = pos - pos % mmap.PAGESIZE
+            self.mapped.madvise(mmap.MADV_DONTNEED, self.released, end - self.released)
+            self.released = end
+
+
+OFFSETS_BATCH = 2048  # record offsets sent to a shard at a time (16 KiB: well under a pipe's 64 KiB)
+
+
+def _scan(data: bytes | mmap.mmap, shards: int, send: list[int]) -> None:
+    """The parent's part: walk the records, read each one's key, and send each shard the offsets of
+    its records (a batch at a time) while the shards audit what they were sent before."""
+    pending = [array.array("Q") for _ in range(shards)]
+    shard_of_key: dict[bytes, int] = {}
+    back = _PagesBack(data)
+    pos, end = len(EXPORT_MAGIC), len(data)
+    while pos + 4 <= end:
+        size = int.from_bytes(data[pos : pos + 4], "big")
+        if pos + 4 + size > end:
+            break
+        key = key_bytes(data, pos + 4, pos + 4 + size)
+        i = shard_of_key.get(key)
+        if i is None:
+            i = shard_of_key[key] = zlib.crc32(key) % shards
+        out = pending[i]
+        out.append(pos)
+        if len(out) >= OFFSETS_BATCH:
+            _send_all(send[i], out.tobytes())
+            del out[:]
+            back.upto(pos)
+        pos += 4 + size
+    for i, out in enumerate(pending):
+        if out:
+            _send_all(send[i], out.tobytes())
+    if pos < end:
+        raise ValueError(f"export file truncated at byte {pos}")
+
+
+def _send_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _offsets(fd: int) -> Iterator[array.array[int]]:
+    """The batches of record offsets the parent sends, until it closes the pipe."""
+    buf = b""
+    while True:
+        more = os.read(fd, 1 << 16)
+        if not more:
+            return
+        buf += more
+        whole = len(buf) - len(buf) % 8
+        if whole:
+            batch = array.array("Q")
+            batch.frombytes(buf[:whole])
+            buf = buf[whole:]
+            yield batch
+
+
+def audit_shard(data: bytes | mmap.mmap, offsets: Iterable[array.array[int]], final: bool) -> ShardResult:
+    """Audit the records at ``offsets`` (a shard's, in stream order), recording VM events."""
     cpu0 = time.process_time()
     auditor = Auditor(shard=True)
     feed = auditor.feed
@@ -106,60 +176,53 @@ def audit_shard(path: str, shard: int, shards: int, final: bool) -> ShardResult:
     assert events is not None
     found = auditor.found
     record_of = msgspec.msgpack.Decoder(Record).decode
-    mine: dict[bytes, bool] = {}
     result = ShardResult(AuditReport(), events, [], [])
     event_times, violation_times = result.event_times, result.violation_times
-    first_seq, first_t, last_t = 0, 0.0, 0.0
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        view = memoryview(data)
-        batch: list[memoryview] = []
-        try:
-            pos, end, released = len(EXPORT_MAGIC), len(data), 0
-            while True:
-                while pos + 4 <= end and len(batch) < DECODE_BATCH:
-                    size = int.from_bytes(data[pos : pos + 4], "big")
-                    if pos + 4 + size > end:
-                        raise ValueError(f"export file truncated at byte {pos}")
-                    key = key_bytes(data, pos + 4, pos + 4 + size)
-                    own = mine.get(key)
-                    if own is None:
-                        own = mine[key] = zlib.crc32(key) % shards == shard
-                    if own:
-                        batch.append(view[pos + 4 : pos + 4 + size])
-                    pos += 4 + size
-                if not batch:
-                    break
-                for rec in [record_of(b) for b in batch]:
-                    entry = rec.entry
-                    ne, nv = len(events), len(found)
-                    if rec.error:
-                        auditor.undecodable(entry.key, rec.seq, rec.error)
-                    else:
-                        feed(entry, rec.seq)
-                    t = entry.at or rec.ts
-                    if not first_seq:
-                        first_seq, first_t = rec.seq, t
-                    if t > last_t:
-                        last_t = t
-                    result.last_seq = rec.seq
-                    if len(events) != ne:
-                        event_times.extend([t] * (len(events) - ne))
-                    if len(found) != nv:
-                        violation_times.extend([t] * (len(found) - nv))
-                batch.clear()
-                if pos - released >= MAPPED_RELEASE_BYTES:  # hand the pages read back (RSS stays the audit's)
-                    upto = pos - pos % mmap.PAGESIZE
-                    data.madvise(mmap.MADV_DONTNEED, released, upto - released)
-                    released = upto
-            if pos < end:
-                raise ValueError(f"export file truncated at byte {pos}")
-        finally:  # every view of the mapping ends before it is closed
-            batch.clear()
-            view.release()
+    first_seq, first_t, last_t, last_seq = 0, 0.0, 0.0, 0
+    view = memoryview(data)
+    back = _PagesBack(data)
+    try:
+        for batch in offsets:
+            # decoded a batch at a time, then audited: the decoder's and the audit's code stay hot
+            recs = [record_of(view[p + 4 : p + 4 + int.from_bytes(data[p : p + 4], "big")]) for p in batch]
+            for rec in recs:
+                entry = rec.entry
+                ne, nv = len(events), len(found)
+                if rec.error:
+                    auditor.undecodable(entry.key, rec.seq, rec.error)
+                else:
+                    feed(entry, rec.seq)
+                t = entry.at or rec.ts
+                if not first_seq:
+                    first_seq, first_t = rec.seq, t
+                if t > last_t:
+                    last_t = t
+                last_seq = rec.seq
+                if len(events) != ne:
+                    event_times.extend([t] * (len(events) - ne))
+                if len(found) != nv:
+                    violation_times.extend([t] * (len(found) - nv))
+            back.upto(batch[-1])
+    finally:
+        view.release()
     result.report = auditor.report(final=final)
-    result.first_seq, result.first_t, result.last_t = first_seq, first_t, last_t
+    result.first_seq, result.first_t, result.last_seq, result.last_t = first_seq, first_t, last_seq, last_t
     result.cpu_seconds = time.process_time() - cpu0
     return result
+
+
+def _shard_main(path: str, recv: int, close: list[int], conn: Connection, final: bool) -> None:
+    """A shard process: audit what the parent sends, answer with the result (or the error)."""
+    for fd in close:  # the write ends of every shard's pipe, inherited by the fork: the parent's alone
+        os.close(fd)
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            result = audit_shard(data, _offsets(recv), final)
+        conn.send_bytes(b"ok" + msgspec.msgpack.encode(result))
+    except Exception as exc:  # reported to the parent, which fails the replay with it
+        conn.send_bytes(b"er" + f"{type(exc).__name__}: {exc}".encode())
+    finally:
+        conn.close()
 
 
 class Merged(msgspec.Struct):
@@ -202,11 +265,43 @@ def merge(results: list[ShardResult]) -> Merged:
 
 def audit_file(path: str, jobs: int, *, final: bool) -> Merged:
     """Audit an export file in ``jobs`` forked processes and merge what they found."""
-    ctx = multiprocessing.get_context("fork")  # the workers need nothing but this module's code
+    ctx = multiprocessing.get_context("fork")  # the shards need nothing but this module's code
+    pipes = [os.pipe() for _ in range(jobs)]
+    writers = [w for _r, w in pipes]
+    conns = [ctx.Pipe(duplex=False) for _ in range(jobs)]
+    procs = [ctx.Process(target=_shard_main, args=(path, r, writers, send, final), daemon=True)
+             for (r, _w), (_recv, send) in zip(pipes, conns, strict=True)]
     try:
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futures = [pool.submit(audit_shard, path, i, jobs, final) for i in range(jobs)]
-            results = [f.result() for f in futures]
-    except BrokenProcessPool as exc:  # a shard was killed (out of memory, a signal)
-        raise OSError(f"a replay process died: {exc}") from None
+        for proc in procs:
+            proc.start()
+        for (r, _w), (_recv, send) in zip(pipes, conns, strict=True):
+            os.close(r)
+            send.close()
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[: len(EXPORT_MAGIC)] != EXPORT_MAGIC:
+                raise ValueError("not a vmfence export file (bad magic line)")
+            try:
+                _scan(data, jobs, writers)
+            except BrokenPipeError:
+                pass  # a shard stopped early: its answer says why
+            finally:
+                for w in writers:
+                    os.close(w)
+                writers = []
+        results = []
+        for recv, _send in conns:
+            try:
+                answer = recv.recv_bytes()
+            except EOFError:
+                raise OSError("a replay process died before it answered") from None
+            if answer[:2] != b"ok":
+                raise ValueError(answer[2:].decode(errors="replace"))
+            results.append(msgspec.msgpack.decode(answer[2:], type=ShardResult))
+    finally:
+        for w in writers:
+            os.close(w)
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+            proc.join(timeout=10)
     return merge(results)

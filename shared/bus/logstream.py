@@ -201,28 +201,53 @@ def iter_export(data: bytes) -> Iterator[Record]:
 
 
 def _records_in(data: bytes | mmap.mmap, pos: int) -> Generator[Record, None, int]:
-    """The whole records of ``data`` from ``pos``; returns where the first incomplete one starts.
-    Each is decoded from a view of ``data`` (no copy of its bytes). Of a mapped file, the pages
-    read are handed back every ``MAPPED_RELEASE_BYTES``, so the replay's resident memory stays the
-    audit's, not the file's."""
-    view = memoryview(data)
-    decode = _rec_decoder.decode
-    end = len(data)
-    mapped = data if isinstance(data, mmap.mmap) else None
-    released = 0
-    while pos + 4 <= end:
-        n = int.from_bytes(data[pos : pos + 4], "big")
-        if pos + 4 + n > end:
-            break
-        yield decode(view[pos + 4 : pos + 4 + n])
-        pos += 4 + n
-        if mapped is not None and pos - released >= MAPPED_RELEASE_BYTES:
-            upto = pos - pos % mmap.PAGESIZE
-            mapped.madvise(mmap.MADV_DONTNEED, released, upto - released)
-            released = upto
-    return pos
+    """The whole records of ``data`` from ``pos``; returns where the first incomplete one starts."""
+    for batch in (batches := _Batches(data, pos)):
+        yield from batch
+    return batches.end
 
 
+class _Batches:
+    """Batches of the whole records of ``data`` from ``pos`` (``end``: where the first incomplete one
+    starts, once exhausted). Each is decoded from a view of ``data`` (no copy of its bytes), a batch
+    at a time: decoding a few dozen records, then auditing them, keeps the decoder's code and the
+    audit's hot (about a tenth faster than one by one). Of a mapped file, the pages read are handed
+    back every ``MAPPED_RELEASE_BYTES``, so the replay's resident memory stays the audit's, not the
+    file's."""
+
+    def __init__(self, data: bytes | mmap.mmap, pos: int) -> None:
+        self.data, self.end = data, pos
+
+    def __iter__(self) -> Iterator[list[Record]]:
+        data = self.data
+        view = memoryview(data)
+        decode = _rec_decoder.decode
+        end = len(data)
+        mapped = data if isinstance(data, mmap.mmap) else None
+        released = 0
+        pos = self.end
+        try:
+            while True:
+                batch: list[Record] = []
+                while pos + 4 <= end and len(batch) < EXPORT_BATCH:
+                    n = int.from_bytes(data[pos : pos + 4], "big")
+                    if pos + 4 + n > end:
+                        break
+                    batch.append(decode(view[pos + 4 : pos + 4 + n]))
+                    pos += 4 + n
+                self.end = pos
+                if not batch:
+                    return
+                yield batch
+                if mapped is not None and pos - released >= MAPPED_RELEASE_BYTES:
+                    upto = pos - pos % mmap.PAGESIZE
+                    mapped.madvise(mmap.MADV_DONTNEED, released, upto - released)
+                    released = upto
+        finally:
+            view.release()
+
+
+EXPORT_BATCH = 64
 MAPPED_RELEASE_BYTES = 16 * 1024 * 1024
 EXPORT_CHUNK_BYTES = 4 * 1024 * 1024  # read at a time from an export stream
 
@@ -241,15 +266,22 @@ def _mapped(f: BinaryIO) -> mmap.mmap | None:
 def iter_export_stream(f: BinaryIO) -> Iterator[Record]:
     """Records of an export read from a file or pipe a chunk at a time: a replay holds one chunk,
     never the whole file (its memory is the audit's, bounded by the keys, not by the log's length)."""
+    for batch in iter_export_batches(f):
+        yield from batch
+
+
+def iter_export_batches(f: BinaryIO) -> Iterator[list[Record]]:
+    """``iter_export_stream`` a batch of records at a time (what a replay feeds its audit)."""
     head = f.read(len(EXPORT_MAGIC))
     if head != EXPORT_MAGIC:
         raise ValueError("not a vmfence export file (bad magic line)")
     mapped = _mapped(f)
     if mapped is not None:  # a regular file: decoded where the page cache holds it, never copied
         with mapped:
-            rest = yield from _records_in(mapped, len(EXPORT_MAGIC))
-            if rest < len(mapped):
-                raise ValueError(f"export file truncated at byte {rest}")
+            batches = _Batches(mapped, len(EXPORT_MAGIC))
+            yield from batches
+            if batches.end < len(mapped):
+                raise ValueError(f"export file truncated at byte {batches.end}")
         return
     data = b""
     offset = len(EXPORT_MAGIC)  # of ``data`` in the stream
@@ -260,8 +292,9 @@ def iter_export_stream(f: BinaryIO) -> Iterator[Record]:
                 raise ValueError(f"export file truncated at byte {offset}")
             return
         data = data + more if data else more
-        pos = yield from _records_in(data, 0)
-        data, offset = data[pos:], offset + pos
+        batches = _Batches(data, 0)
+        yield from batches
+        data, offset = data[batches.end :], offset + batches.end
 
 
 def audit_records(records: Iterable[Record], *, final: bool = True) -> AuditReport:

@@ -101,3 +101,17 @@ def test_jobs_out_of_range_is_one_line(tmp_path: Path) -> None:
         proc = subprocess.run([sys.executable, "-m", "services.cli", "replay", "--file", str(tmp_path / "x"),
                                "--jobs", bad], capture_output=True, text=True, cwd=ROOT, timeout=60)
         assert proc.returncode == 2 and "--jobs" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_corrupt_or_truncated_file_is_one_line_under_jobs(tmp_path: Path) -> None:
+    path = tmp_path / "log.export"
+    make_export(str(path), 2_000)
+    data = path.read_bytes()
+    for name, broken in (("truncated", data[:-5]),
+                         ("garbled", data[:-200] + b"\xc1" * 200)):  # 0xc1: never valid msgpack
+        bad = tmp_path / f"{name}.export"
+        bad.write_bytes(broken)
+        proc = subprocess.run([sys.executable, "-m", "services.cli", "replay", "--file", str(bad), "--jobs", "2"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert proc.returncode == 2, (name, proc.returncode, proc.stderr[-1000:])
+        assert "cannot read" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-1000:]
