@@ -88,6 +88,17 @@ def test_bench_all_smoke() -> None:
     assert r["machine"]["cpus"] >= 1
 
 
+def test_bench_replay_file_smoke() -> None:
+    """`vmfence bench replay` at smoke size: one process against typed decoding (CPU), and the
+    sharded default against one core's decoding (wall), each with its peak RSS."""
+    r = vmfence_json("bench", "replay", "--entries", "20000", timeout=120)
+    for f in ("raw_typed_decode_entries_per_cpu_s", "raw_typed_decode_entries_per_s", "replay_file_entries_per_cpu_s",
+              "ratio_to_typed_decode", "replay_peak_rss_mib", "sharded_wall_ratio_to_typed_decode",
+              "sharded_peak_rss_mib"):
+        assert is_number(r[f]) and r[f] > 0, (f, r[f])
+    assert r["entries"] == 20000 and r["clean"] is True and r["sharded_jobs"] >= 1
+
+
 @pytest.mark.qemu
 @pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None or shutil.which("qemu-img") is None,
                     reason="qemu-system-x86_64 / qemu-img not installed")
