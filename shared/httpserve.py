@@ -8,6 +8,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
 
+class ListenError(OSError):
+    """The health and metrics endpoint could not listen (a service reports it as such, not as a
+    failure to reach NATS or Kubernetes)."""
+
+
 class HealthServer:
     """Serves health and metrics; ``ready`` is asked on every /readyz so it is always current."""
 
@@ -46,9 +51,9 @@ class HealthServer:
         site = web.TCPSite(self._runner, self.host, self.port)
         try:
             await site.start()
-        except OSError:  # the port is taken or the address is not ours: nothing left listening
+        except OSError as exc:  # the port is taken or the address is not ours: nothing left listening
             await self.stop()
-            raise
+            raise ListenError(exc.errno, f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}") from exc
         server = site._server
         sockets = getattr(server, "sockets", None) or []
         if sockets:

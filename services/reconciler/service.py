@@ -41,7 +41,7 @@ from shared.fence.drift import DriftReport, HostVM, InventoryAnswer, drift
 from shared.fence.keys import Key
 from shared.fence.schema import Input
 from shared.fence.state import KeyState
-from shared.httpserve import HealthServer
+from shared.httpserve import HealthServer, ListenError
 from shared.subjects import Subjects
 from shared.tasks import cancel_and_wait, sleep_unless_set
 
@@ -447,7 +447,7 @@ async def _main(cfg: ReconcilerConfig) -> int:
         await rec.run()
     except StoppedDuringStartup:
         log.info("stopped before the reconciler was ready")
-    except NatsAuthError as exc:
+    except (NatsAuthError, ListenError) as exc:
         print(f"{cfg.PROG}: error: {exc}", file=sys.stderr)
         return 1
     except (OSError, nats.errors.NoServersError) as exc:

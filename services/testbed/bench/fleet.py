@@ -170,7 +170,7 @@ class FleetBench:
             if not p.running:
                 p.start()
         for p in self.procs.values():
-            if not await p.wait_ready(READY_S):
+            if not await p.start_ready(READY_S):
                 raise RuntimeError(f"{p.name} not ready within {READY_S:.0f}s:\n{p.tail()}")
         cfg = client.Configuration()
         await config.load_kube_config(config_file=self.kubeconfig, client_configuration=cfg)

@@ -104,6 +104,27 @@ class Proc:
             await asyncio.sleep(POLL_S)
         return False
 
+    async def start_ready(self, within_s: float = READY_TIMEOUT_S, attempts: int = 3) -> bool:
+        """Start and wait until ready; a start that lost its port to another process between
+        ``free_port()`` and its bind ("address already in use") is retried on a new port."""
+        from services.testbed.natsserver import free_port
+
+        for _ in range(attempts):
+            if not self.running:
+                self.start()
+            if await self.wait_ready(within_s):
+                return True
+            if self.running or "address already in use" not in self.tail(5):
+                return False
+            self.rebind(free_port())
+        return False
+
+    def rebind(self, port: int) -> None:
+        """Listen on ``port`` from the next start (its ``--http-port`` and its ``port``)."""
+        i = self.argv.index("--http-port")
+        self.argv[i + 1] = str(port)
+        self.port = port
+
     def tail(self, n: int = 15) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
