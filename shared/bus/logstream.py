@@ -200,11 +200,19 @@ def iter_export(data: bytes) -> Iterator[Record]:
         raise ValueError(f"export file truncated at byte {rest + 4}")
 
 
-def _records_in(data: bytes | mmap.mmap, pos: int) -> Generator[Record, None, int]:
-    """The whole records of ``data`` from ``pos``; returns where the first incomplete one starts."""
-    for batch in (batches := _Batches(data, pos)):
-        yield from batch
-    return batches.end
+def _records_in(data: bytes, pos: int) -> Generator[Record, None, int]:
+    """The whole records of ``data`` from ``pos``, each decoded from a view (no copy of its bytes);
+    returns where the first incomplete one starts."""
+    view = memoryview(data)
+    decode = _rec_decoder.decode
+    end = len(data)
+    while pos + 4 <= end:
+        n = int.from_bytes(data[pos : pos + 4], "big")
+        if pos + 4 + n > end:
+            break
+        yield decode(view[pos + 4 : pos + 4 + n])
+        pos += 4 + n
+    return pos
 
 
 class _Batches:
