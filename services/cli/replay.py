@@ -7,7 +7,6 @@ import contextlib
 import gc
 import importlib.metadata
 import os
-import resource
 import stat
 import sys
 import time
@@ -21,7 +20,7 @@ from rich.table import Table
 
 from services.cli.common import CliError, open_bus
 from services.cli.decisions import stamp
-from services.cli.replayjobs import MAX_JOBS, SHARDED_MIN_BYTES, Merged, audit_file, default_jobs
+from services.cli.replayjobs import MAX_JOBS, SHARDED_MIN_BYTES, Merged, audit_file, default_jobs, peak_rss_kib
 from shared.bus.connect import mask_url
 from shared.bus.logstream import EXPORT_MAGIC, Record, encode_record, iter_export_batches, read_log
 from shared.fence.audit import Auditor, AuditReport
@@ -84,6 +83,7 @@ class AuditRun:
         self._merged: AuditReport | None = None  # a sharded replay's report, made by its processes
         self.jobs = 1
         self.shard_cpu_seconds = 0.0  # what the shard processes spent (the caller's CPU is apart)
+        self.shard_peak_rss_kib = 0
 
     def feed(self, rec: Record) -> None:
         self.feed_all((rec,))
@@ -125,6 +125,7 @@ class AuditRun:
         self.origin.first_seq, self._first_t = merged.first_seq, merged.first_t
         self.origin.last_seq, self._last_t = merged.last_seq, merged.last_t
         self.jobs, self.shard_cpu_seconds = jobs, merged.cpu_seconds
+        self.shard_peak_rss_kib = merged.peak_rss_kib
 
     def report(self, *, final: bool) -> AuditReport:
         self.origin.first_time, self.origin.last_time = stamp(self._first_t), stamp(self._last_t)
@@ -181,11 +182,9 @@ async def _audit(args: argparse.Namespace) -> AuditRun:
     return run
 
 
-def _peak_rss_mib() -> float:
+def _peak_rss_mib(run: AuditRun) -> float:
     """The largest resident memory of this replay's processes (itself, or a shard it ran)."""
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    shards = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return round(max(own, shards) / 1024, 1)  # Linux reports KiB
+    return round(max(peak_rss_kib(), run.shard_peak_rss_kib) / 1024, 1)
 
 
 def _version() -> str:
@@ -205,7 +204,7 @@ def report_json(run: AuditRun, report: AuditReport, *, seconds: float, cpu_secon
     out["seconds"] = round(seconds, 6)
     out["cpu_seconds"] = round(cpu_seconds, 6)
     out["jobs"] = run.jobs
-    out["peak_rss_mib"] = _peak_rss_mib()
+    out["peak_rss_mib"] = _peak_rss_mib(run)
     out["origin"] = msgspec.to_builtins(run.origin)
     out["created"] = created
     out["vmfence_version"] = _version()

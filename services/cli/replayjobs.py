@@ -16,6 +16,7 @@ import heapq
 import mmap
 import multiprocessing
 import os
+import resource
 import time
 import zlib
 from collections.abc import Iterable, Iterator
@@ -53,6 +54,21 @@ class ShardResult(msgspec.Struct):
     last_seq: int = 0
     last_t: float = 0.0
     cpu_seconds: float = 0.0
+    peak_rss_kib: int = 0
+
+
+def peak_rss_kib() -> int:
+    """This process's own peak resident memory (VmHWM). Not getrusage's ru_maxrss: Linux carries
+    that across exec, so a replay started by a process holding a large file would report its
+    parent's memory."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def default_jobs() -> int:
@@ -116,9 +132,11 @@ class _PagesBack:
 OFFSETS_BATCH = 2048  # record offsets sent to a shard at a time (16 KiB: well under a pipe's 64 KiB)
 
 
-def _scan(data: bytes | mmap.mmap, shards: int, send: list[int]) -> None:
-    """The parent's part: walk the records, read each one's key, and send each shard the offsets of
-    its records (a batch at a time) while the shards audit what they were sent before."""
+def _scan(data: bytes | mmap.mmap, shards: int, send: list[int]) -> Iterator[array.array[int]]:
+    """The parent's part: walk the records and read each one's key; send each other shard the
+    offsets of its records (a batch at a time) while it audits what it was sent before, and yield
+    the batches of shard 0, which the parent audits itself between sends. ``send[i]``: shard i's
+    pipe (``send[0]`` unused)."""
     pending = [array.array("Q") for _ in range(shards)]
     shard_of_key: dict[bytes, int] = {}
     back = _PagesBack(data)
@@ -134,13 +152,22 @@ def _scan(data: bytes | mmap.mmap, shards: int, send: list[int]) -> None:
         out = pending[i]
         out.append(pos)
         if len(out) >= OFFSETS_BATCH:
-            _send_all(send[i], out.tobytes())
-            del out[:]
+            if i:
+                _send_all(send[i], out.tobytes())
+                del out[:]
+            else:
+                yield out
+                out = pending[0] = array.array("Q")
             back.upto(pos)
         pos += 4 + size
     for i, out in enumerate(pending):
-        if out:
+        if out and i:
             _send_all(send[i], out.tobytes())
+    for i in range(1, shards):  # the other shards may finish while the parent audits its last batch
+        os.close(send[i])
+        send[i] = -1
+    if pending[0]:
+        yield pending[0]
     if pos < end:
         raise ValueError(f"export file truncated at byte {pos}")
 
@@ -208,6 +235,7 @@ def audit_shard(data: bytes | mmap.mmap, offsets: Iterable[array.array[int]], fi
     result.report = auditor.report(final=final)
     result.first_seq, result.first_t, result.last_seq, result.last_t = first_seq, first_t, last_seq, last_t
     result.cpu_seconds = time.process_time() - cpu0
+    result.peak_rss_kib = peak_rss_kib()
     return result
 
 
@@ -235,6 +263,7 @@ class Merged(msgspec.Struct):
     last_seq: int
     last_t: float
     cpu_seconds: float  # the shards' own
+    peak_rss_kib: int  # the largest of the shards'
 
 
 def merge(results: list[ShardResult]) -> Merged:
@@ -260,16 +289,18 @@ def merge(results: list[ShardResult]) -> Merged:
         last_seq=max((r.last_seq for r in spans), default=0),
         last_t=max((r.last_t for r in spans), default=0.0),
         cpu_seconds=sum(r.cpu_seconds for r in results),
+        peak_rss_kib=max((r.peak_rss_kib for r in results), default=0),
     )
 
 
 def audit_file(path: str, jobs: int, *, final: bool) -> Merged:
-    """Audit an export file in ``jobs`` forked processes and merge what they found."""
+    """Audit an export file as ``jobs`` shards: this process reads every key and audits shard 0,
+    ``jobs - 1`` forked processes the others; then merge what they found."""
     ctx = multiprocessing.get_context("fork")  # the shards need nothing but this module's code
-    pipes = [os.pipe() for _ in range(jobs)]
-    writers = [w for _r, w in pipes]
-    conns = [ctx.Pipe(duplex=False) for _ in range(jobs)]
-    procs = [ctx.Process(target=_shard_main, args=(path, r, writers, send, final), daemon=True)
+    pipes = [os.pipe() for _ in range(1, jobs)]
+    writers = [-1] + [w for _r, w in pipes]
+    conns = [ctx.Pipe(duplex=False) for _ in range(1, jobs)]
+    procs = [ctx.Process(target=_shard_main, args=(path, r, writers[1:], send, final), daemon=True)
              for (r, _w), (_recv, send) in zip(pipes, conns, strict=True)]
     try:
         for proc in procs:
@@ -280,15 +311,12 @@ def audit_file(path: str, jobs: int, *, final: bool) -> Merged:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
             if data[: len(EXPORT_MAGIC)] != EXPORT_MAGIC:
                 raise ValueError("not a vmfence export file (bad magic line)")
+            broken = False
+            results: list[ShardResult] = []
             try:
-                _scan(data, jobs, writers)
+                results.append(audit_shard(data, _scan(data, jobs, writers), final))
             except BrokenPipeError:
-                pass  # a shard stopped early: its answer says why
-            finally:
-                for w in writers:
-                    os.close(w)
-                writers = []
-        results = []
+                broken = True  # a shard stopped before it was sent all its records: its answer says why
         for recv, _send in conns:
             try:
                 answer = recv.recv_bytes()
@@ -297,9 +325,12 @@ def audit_file(path: str, jobs: int, *, final: bool) -> Merged:
             if answer[:2] != b"ok":
                 raise ValueError(answer[2:].decode(errors="replace"))
             results.append(msgspec.msgpack.decode(answer[2:], type=ShardResult))
+        if broken:
+            raise OSError("a replay process stopped before it was sent all its records")
     finally:
         for w in writers:
-            os.close(w)
+            if w >= 0:
+                os.close(w)
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()

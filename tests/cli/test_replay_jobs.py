@@ -72,7 +72,7 @@ def _planted(path: Path, first_seq: int) -> None:
 
 
 def _comparable(report: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in report.items() if k not in ("seconds", "cpu_seconds", "created", "jobs")}
+    out = {k: v for k, v in report.items() if k not in ("seconds", "cpu_seconds", "created", "jobs", "peak_rss_mib")}
     out["violations"] = sorted(json.dumps(v, sort_keys=True) for v in report["violations"])
     return out
 
