@@ -30,6 +30,7 @@ from shared.fence.schema import (
     Bound,
     Command,
     Commanded,
+    Decision,
     Discovered,
     Done,
     Hibernated,
@@ -137,6 +138,9 @@ _VM_CHANGING: frozenset[type] = frozenset(
 )
 
 
+_COUNT, _OWNER = "count", "owner"
+
+
 class Auditor:
     """Feed entries in log order (per key order is what matters); ask for the report at the end.
 
@@ -172,6 +176,14 @@ class Auditor:
             Skipped: self._skipped_input,
             Done: self._done,
         }
+        self._cmds: dict[str, Command] = {}  # of the entry being fed
+        # per decision type, one lookup: its fold, its check (or None), and whether it may change
+        # the key's VMs (_COUNT: count the live ones after it; _OWNER: also which key a VM is live for)
+        self._plans: dict[type, tuple[Callable[[KeyState, Any], None], Any, str]] = {
+            t: (fold_t, self._checks.get(t),
+                _OWNER if t in (Bound, Released, Hibernated) else _COUNT if t in _VM_CHANGING else "")
+            for t, fold_t in FOLDS.items()
+        }
 
     @property
     def violations_found(self) -> int:
@@ -196,27 +208,29 @@ class Auditor:
         # the commands this entry finishes: the policy decides a result in the same entry as its
         # command's Done (decide._on_result), so a result is checked against those and nothing
         # older (which also keeps the audit's memory off the log's length)
-        cmds: dict[str, Command] = {}
+        cmds = self._cmds
+        if cmds:
+            cmds.clear()
         self._entries += 1
         if n != s.n + 1:
             rule: ViolationRule = "gap" if n > s.n + 1 else "repeat"
             self._bad(key, n, seq, rule, f"entry {n} follows entry {s.n}")
-        checks = self._checks
+        plans = self._plans
         counts = self._counts
         two_live = self._two_live
         for d in entry.decisions:
             t = type(d)
             counts[t] += 1
-            check = checks.get(t)
+            fold_d, check, vms = plans[t]
             if check is not None:
                 check(s, cmds, d, n, seq)
-            FOLDS[t](s, d)  # the writer's own fold (``fold`` is this table's lookup)
-            if t in _VM_CHANGING:
+            fold_d(s, d)  # the writer's own fold (``fold`` looks up the same table)
+            if vms:
                 if len(s.vms) > 1:
                     self._count_live(s, n, seq)
                 elif two_live and key in two_live:
                     two_live.discard(key)
-                if isinstance(d, Bound | Released | Hibernated):
+                if vms is _OWNER:
                     self._owner_changed(d, key, n, seq)
             elif two_live and key in two_live:
                 self._count_live(s, n, seq)
@@ -315,7 +329,8 @@ class Auditor:
             cmds[d.effect_id] = pending.command
 
     # ------------------------------------------------------------------ checks after the fold
-    def _owner_changed(self, d: Bound | Released | Hibernated, key: str, n: int, seq: int | None) -> None:
+    def _owner_changed(self, d: Decision, key: str, n: int, seq: int | None) -> None:
+        assert isinstance(d, Bound | Released | Hibernated)  # the plan says so
         if self.vm_events is not None:
             self.vm_events.append(VMEvent(seq or 0, key, n, d.vm_id, isinstance(d, Bound)))
         elif isinstance(d, Bound):
