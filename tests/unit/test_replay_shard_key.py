@@ -34,3 +34,21 @@ class _Reordered(msgspec.Struct):
 def test_bytes_of_another_shape_fall_back_to_a_decode() -> None:
     body = msgspec.msgpack.encode(_Reordered(LogEntry("shop/cart", 1, []), 7))
     assert key_bytes(body, 0, len(body)) == b"shop/cart"
+
+
+def test_the_parent_takes_a_smaller_share_of_the_keys_for_its_scan() -> None:
+    """The parent reads every key and audits shard 0: it gets less than an equal share, so every
+    process has about the same work; every shard gets keys."""
+    from collections import Counter
+
+    from services.cli.replayjobs import parent_share, shard_of
+
+    keys = [f"ns/pod-{i}" for i in range(20_000)]
+    assert parent_share(1) == 1.0 and all(shard_of(k, 1) == 0 for k in keys[:100])
+    for n in range(2, 9):
+        got = Counter(shard_of(k, n) for k in keys)
+        assert set(got) <= set(range(n))
+        assert abs(got[0] / len(keys) - parent_share(n)) < 0.02, (n, got)
+        assert parent_share(n) < 1 / n
+        workers = [got[i] for i in range(1, n)]
+        assert min(workers) > 0.8 * max(workers), (n, got)
