@@ -16,6 +16,7 @@ The same object is controllable in-process (``server.faults``) and over HTTP
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -81,6 +82,9 @@ class Faults:
     errors: list[ErrorRule] = field(default_factory=list)
     latency: list[LatencyRule] = field(default_factory=list)
     lost_responses: list[LostResponseRule] = field(default_factory=list)
+    # requests that reached the resource handlers, by "<verb> <resource>" ("get pods",
+    # "patch pods/status"), injected faults included: what tests count round trips with
+    requests: Counter[str] = field(default_factory=Counter)
     # Hooks the server installs: re-evaluate the lagging cache, and close open watches.
     _on_stale_change: Callable[[], None] | None = field(default=None, repr=False)
     _on_drop_watches: Callable[[], int] | None = field(default=None, repr=False)
@@ -152,6 +156,9 @@ class Faults:
         self._rng = random.Random(seed)
 
     # --- evaluation (used by the server) ----------------------------------------------------
+    def count(self, verb: str, resources: tuple[str, ...]) -> None:
+        self.requests[f"{verb} {resources[0]}"] += 1
+
     def _fires(self, count: int | None, probability: float | None) -> bool:
         if count is not None and count <= 0:
             return False

@@ -244,6 +244,7 @@ class _Handlers:
         if request.query.get("dryRun"):
             raise ApiError(400, "dryRun is not supported by the vmfence development server", "BadRequest")
         fault_verb = "delete" if verb == "deletecollection" else verb
+        self.faults.count(fault_verb, target.fault_names)
         delay_ms = self.faults.latency_ms(fault_verb, target.fault_names)
         if delay_ms > 0:
             await asyncio.sleep(delay_ms / 1000.0)
