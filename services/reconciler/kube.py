@@ -17,10 +17,20 @@ Rules this module keeps (DESIGN.md, "Kubernetes side" and rules 3, 4 and 6):
   retried with bounded backoff (``TRANSIENT_ATTEMPTS``), then the outcome is ``failed``. A 422 whose
   re-read shows the *same* uid is our own invalid body, reported as ``failed`` (not as
   ``superseded``, which would tombstone a live incarnation).
-- Status writes are built from the fresh object (read first, consistently) plus the intent and
-  sent as a merge patch carrying both ``metadata.uid`` and ``metadata.resourceVersion``: a
-  concurrent change makes the write fail with 409 instead of silently overwriting it, and the
-  retry re-applies the intent. Unchanged status or annotations are not written at all.
+- Status writes are built from the current object plus the intent and sent as a merge patch
+  carrying both ``metadata.uid`` and ``metadata.resourceVersion``: a concurrent change makes the
+  write fail with 409 instead of silently overwriting it, and the retry re-applies the intent to
+  the object the 409's consistent re-read returned. Unchanged status or annotations are not
+  written at all.
+- The current object is the one the key's last successful consistent read or write returned
+  (a patch answers with the updated object), kept per key (:class:`_LastSeen`, at most
+  ``LAST_SEEN_MAX`` objects, least recently used dropped first); without one, a consistent GET.
+  It is used only for its own incarnation (uid == the fence's uid), taken out while a write is
+  in flight and put back only on success, and dropped after a delete, an eviction, a binding, or
+  any outcome but ``ok``. It is trusted only through the status patch's resourceVersion
+  precondition: a stale one gets a 409 (or 404 when the pod is gone) and the path above. When
+  the status it shows already matches the intent, nothing would carry that precondition, so the
+  object is read again consistently instead: "unchanged" is never judged from memory.
 - Events never change a decision: outcome ``ok`` or ``failed``, failures only logged. An event's
   name is derived from the write id so a retried event is created once.
 
@@ -37,7 +47,7 @@ import hashlib
 import json
 import logging
 import random
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -59,6 +69,7 @@ REQUEST_TIMEOUT_S = 10.0  # one HTTP request
 CALL_TIMEOUT_S = 30.0  # one confirm() or write(), all retries included
 TRANSIENT_ATTEMPTS = 5  # tries of one request on 429/5xx/transport errors
 CONFLICT_ATTEMPTS = 5  # re-read + re-apply rounds after resourceVersion conflicts
+LAST_SEEN_MAX = 4096  # objects kept for the next status write of their key (LRU past it)
 BACKOFF_BASE_S = 0.05
 BACKOFF_MAX_S = 2.0
 TRANSIENT_CODES = frozenset({0, 429, 500, 502, 503, 504})  # 0: transport error or request timeout
@@ -342,6 +353,36 @@ def runtime_annotations(intent: PodStatusIntent, epoch: int) -> dict[str, str | 
 # ---------------------------------------------------------------------------------- the gateway
 
 
+class _LastSeen:
+    """Per key, the object the last successful consistent read or write returned, for the key's
+    next status write (bounded: at most ``limit`` keys, least recently used dropped first)."""
+
+    def __init__(self, limit: int = LAST_SEEN_MAX) -> None:
+        self.limit = max(0, limit)
+        self._objs: OrderedDict[Key, JSON] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._objs)
+
+    def keep(self, key: Key, obj: JSON) -> None:
+        if not _meta(obj).get("uid") or not _meta(obj).get("resourceVersion"):
+            self._objs.pop(key, None)
+            return
+        self._objs[key] = obj
+        self._objs.move_to_end(key)
+        while len(self._objs) > self.limit:
+            self._objs.popitem(last=False)
+
+    def take(self, key: Key, uid: str) -> JSON | None:
+        """The key's object if it is of incarnation ``uid``; removed either way (a write in flight
+        puts back only what it got on success)."""
+        obj = self._objs.pop(key, None)
+        return obj if obj is not None and _meta(obj).get("uid") == uid else None
+
+    def drop(self, key: Key) -> None:
+        self._objs.pop(key, None)
+
+
 class _Outcome(Exception):
     """Internal: ends a write with this outcome."""
 
@@ -370,6 +411,7 @@ class K8sGateway:
         instance: str = "",
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         call_timeout_s: float = CALL_TIMEOUT_S,
+        last_seen_max: int = LAST_SEEN_MAX,
     ) -> None:
         self.api = api_client
         self.core = client.CoreV1Api(api_client)
@@ -380,6 +422,7 @@ class K8sGateway:
         self.instance = instance
         self.request_timeout_s = request_timeout_s
         self.call_timeout_s = call_timeout_s
+        self.last_seen = _LastSeen(last_seen_max)
 
     @classmethod
     async def connect(cls, kubeconfig: str | None = None, **kwargs: Any) -> K8sGateway:
@@ -461,7 +504,9 @@ class K8sGateway:
         except (KubeError, TimeoutError) as exc:
             raise KubeUnavailable(f"confirm {key}: {exc!r}") from exc
         if obj is None:
+            self.last_seen.drop(key)
             return ConfirmedRead(key=str(key), request=request, uid=None)
+        self.last_seen.keep(key, obj)
         spec, invalid = spec_of_pod(obj) if key.kind == "pod" else spec_of_vm(obj)
         m = _meta(obj)
         try:
@@ -504,6 +549,10 @@ class K8sGateway:
             outcome, detail = "failed", str(exc)
         except TimeoutError:
             outcome, detail = "failed", f"timed out after {self.call_timeout_s}s"
+        if write.verb != "event" and (write.verb != "status" or outcome != "ok"):
+            # a delete, eviction or binding changed (or removed) the object; any other outcome
+            # than ok leaves nothing worth trusting: the next status write reads it again
+            self.last_seen.drop(key)
         if write.verb == "event" and outcome != "ok":
             # an Event in a namespace being deleted is refused by the real server's NamespaceLifecycle
             # admission (403 "... because it is being terminated"): expected while its pods end
@@ -543,17 +592,19 @@ class K8sGateway:
                 raise _Outcome("failed", f"already bound to {bound}", node=bound) from exc
             raise _Outcome("failed", f"binding refused: {exc}") from exc
 
-    async def _classify(self, key: Key, fence: Fence, exc: KubeError) -> None:
+    async def _classify(self, key: Key, fence: Fence, exc: KubeError) -> JSON:
         """After a 409/422 on a UID-carrying write: re-read consistently and name the outcome.
 
         Raises _Outcome(superseded|gone) when another incarnation owns the name or nothing does;
-        returns when the uid still matches (a resourceVersion conflict: re-apply the intent)."""
+        returns the fresh object when the uid still matches (a resourceVersion conflict: re-apply
+        the intent to it)."""
         fresh = await self._get(key)
         if fresh is None:
             raise _Outcome("gone", f"{exc.status} {exc.reason}, then not found")
         uid = _meta(fresh).get("uid")
         if uid != fence.uid:
             raise _Outcome("superseded", f"{exc.status} {exc.reason}: {key} is now uid {uid}")
+        return fresh
 
     def _current(self, obj: JSON | None, fence: Fence) -> JSON:
         if obj is None:
@@ -568,39 +619,55 @@ class K8sGateway:
         if intent is None:
             raise _Outcome("failed", "status write without a status intent")
         fence = write.fence
+        # the object this incarnation's last read or write returned: usable only when the status
+        # patch it leads to carries its resourceVersion (a stale one then gets a 409 or a 404)
+        obj = self.last_seen.take(key, fence.uid)
+        diff = self._status_diff(key, obj, intent, fence) if obj is not None else {}
+        if not diff:
+            obj = None
         for _round in range(CONFLICT_ATTEMPTS):
-            obj = self._current(await self._get(key), fence)
+            if obj is None:
+                obj = self._current(await self._get(key), fence)
+                diff = self._status_diff(key, obj, intent, fence)
             try:
-                await self._apply_status(key, obj, intent, fence)
-                return
+                latest = await self._apply_status(key, obj, diff, intent, fence)
             except KubeError as exc:
                 if exc.status == 404:
                     raise _Outcome("gone", str(exc)) from exc
                 if exc.status not in (409, 422):
                     raise
-                await self._classify(key, fence, exc)
+                obj = await self._classify(key, fence, exc)
                 if exc.status == 422:
                     raise _Outcome("failed", f"rejected as invalid: {exc.message}") from exc
                 log.info("status of %s: resourceVersion conflict, re-applying the intent", key)
+                diff = self._status_diff(key, obj, intent, fence)
+                continue
+            self.last_seen.keep(key, latest)
+            return
         raise _Outcome("failed", f"still conflicting after {CONFLICT_ATTEMPTS} re-reads")
 
-    async def _apply_status(self, key: Key, obj: JSON, intent: PodStatusIntent, fence: Fence) -> None:
-        """Patch status (uid + resourceVersion of ``obj``), then the runtime annotations (uid)."""
-        m = _meta(obj)
+    def _status_diff(self, key: Key, obj: JSON, intent: PodStatusIntent, fence: Fence) -> JSON:
+        """The merge patch of ``status`` that turns ``obj``'s status into the intended one."""
         cur = obj.get("status") or {}
         if key.kind == "pod":
             host_ip = self.host_ip(intent.host) if self.host_ip and intent.host else None
             want = pod_status(obj, intent, host_ip)
         else:
             want = vm_status(obj, intent, fence.epoch)
-        diff = _merge_diff(cur, want)
+        return _merge_diff(cur, want)
+
+    async def _apply_status(self, key: Key, obj: JSON, diff: JSON, intent: PodStatusIntent, fence: Fence) -> JSON:
+        """Patch status by ``diff`` (uid + resourceVersion of ``obj``), then the runtime annotations
+        (uid) judged against the status patch's answer. Returns the object as the last request
+        left it (``obj`` itself when nothing needed writing)."""
+        latest = obj
         if diff:
             body = {
-                "metadata": {"uid": fence.uid, "resourceVersion": m.get("resourceVersion")},
+                "metadata": {"uid": fence.uid, "resourceVersion": _meta(obj).get("resourceVersion")},
                 "status": diff,
             }
             if key.kind == "pod":
-                await self._retrying(
+                latest = await self._retrying(
                     self.core.patch_namespaced_pod_status,
                     key.name,
                     key.namespace,
@@ -608,7 +675,7 @@ class K8sGateway:
                     _content_type=MERGE_PATCH,
                 )
             else:
-                await self._retrying(
+                latest = await self._retrying(
                     self.custom.patch_namespaced_custom_object_status,
                     VM_GROUP,
                     VM_VERSION,
@@ -619,17 +686,18 @@ class K8sGateway:
                     _content_type=MERGE_PATCH,
                 )
         if key.kind != "pod":
-            return
-        have = m.get("annotations") or {}
+            return latest
+        have = _meta(latest).get("annotations") or {}
         network = self.host_network(intent.host) if self.host_network and intent.host else None
         want_ann = runtime_annotations(intent, fence.epoch)
         want_ann[ANN_NETWORK] = network if network in ("user", "none") and intent.ip is None else None
         ann = {k: v for k, v in want_ann.items() if have.get(k) != v}
         if ann:
             body = {"metadata": {"uid": fence.uid, "annotations": ann}}
-            await self._retrying(
+            latest = await self._retrying(
                 self.core.patch_namespaced_pod, key.name, key.namespace, body, _content_type=MERGE_PATCH
             )
+        return latest
 
     async def _deleting_write(self, key: Key, fence: Fence, send: Callable[[], Awaitable[JSON]]) -> None:
         for _round in range(CONFLICT_ATTEMPTS):

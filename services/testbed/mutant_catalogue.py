@@ -50,7 +50,7 @@ KERNEL = (
 )
 APPEND = ("tests/bus/test_fenced_append.py",)
 SCHEDULING = ("tests/unit/test_scheduling.py", *KERNEL)
-KUBE = ("tests/kube/test_fence_regressions.py", "tests/kube/test_gateway.py")
+KUBE = ("tests/kube/test_fence_regressions.py", "tests/kube/test_gateway.py", "tests/kube/test_status_last_seen.py")
 LEDGER = ("tests/agent/test_ledger.py", "tests/agent/test_fence_regressions.py")
 AGENT = (
     "tests/agent/test_fence_regressions.py",
@@ -229,7 +229,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "kube-conflict-resends-the-fresh-object", KUBE_PY,
-        '                "metadata": {"uid": fence.uid, "resourceVersion": m.get("resourceVersion")},\n'
+        '                "metadata": {"uid": fence.uid, "resourceVersion": _meta(obj).get("resourceVersion")},\n'
         '                "status": diff,\n',
         '                "metadata": {"uid": fence.uid},\n'
         '                "status": diff,\n',
@@ -239,16 +239,31 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "kube-status-patch-without-uid", KUBE_PY,
-        '                "metadata": {"uid": fence.uid, "resourceVersion": m.get("resourceVersion")},\n',
-        '                "metadata": {"resourceVersion": m.get("resourceVersion")},\n',
+        '                "metadata": {"uid": fence.uid, "resourceVersion": _meta(obj).get("resourceVersion")},\n',
+        '                "metadata": {"resourceVersion": _meta(obj).get("resourceVersion")},\n',
         "rule 4: a status patch carries metadata.uid",
         KUBE,
         equivalent=(
-            "the same patch carries metadata.resourceVersion of the object just read, whose uid was "
-            "checked (_current): resourceVersions are etcd revisions, global to the store, so a "
-            "successor under the name never has that resourceVersion and the patch is refused (409) "
+            "the same patch carries metadata.resourceVersion of an object whose uid was checked (_current "
+            "after a read, _LastSeen.take for a kept one): resourceVersions are etcd revisions, global to "
+            "the store, so a successor under the name never has that resourceVersion and the patch is refused (409) "
             "with or without the uid; the uid stays as defence in depth"
         ),
+    ),
+    Mutant(
+        "kube-last-seen-of-another-uid", KUBE_PY,
+        '        return obj if obj is not None and _meta(obj).get("uid") == uid else None\n',
+        "        return obj\n",
+        "rule 4/6: a kept object serves only its own incarnation's writes (uid == the fence's uid)",
+        KUBE,
+    ),
+    Mutant(
+        "kube-unchanged-judged-from-a-kept-object", KUBE_PY,
+        "        if not diff:\n            obj = None\n",
+        "",
+        "rule 6: a kept object is trusted only through the status patch's resourceVersion; when it shows "
+        "nothing to write, the object is read again consistently (a stale view never hides a change)",
+        KUBE,
     ),
     Mutant(
         "kube-annotations-patch-without-uid", KUBE_PY,
