@@ -19,9 +19,9 @@ from shared.fence.schema import Fence, KubeWrite, PodStatusIntent
 from .conftest import MERGE, NS, VM_ARGS, pod_body, vm_body
 
 KEY = Key("pod", NS, "p")
-STARTING = PodStatusIntent(phase="Pending", host="host-a", reason="ContainerCreating")
+STARTING = PodStatusIntent(phase="Pending", host="host-a")
 RUNNING = PodStatusIntent(phase="Running", ready=True, vm_id="vm-1", host="host-a", ip="10.1.0.5", vnc_port=5901)
-FAILED = PodStatusIntent(phase="Failed", host="host-a", vm_id="vm-1", reason="Error")
+FAILED = PodStatusIntent(phase="Failed", host="host-a", vm_id="vm-1", message="exit 1")
 
 
 def status(uid: str, intent: PodStatusIntent, key: Key = KEY, epoch: int = 1) -> KubeWrite:
