@@ -199,6 +199,7 @@ class Faults:
             "errors": [asdict(r) for r in self.errors],
             "latency": [asdict(r) for r in self.latency],
             "lost_responses": [asdict(r) for r in self.lost_responses],
+            "requests": dict(self.requests),
         }
 
     def apply(self, body: dict[str, Any]) -> dict[str, Any]:

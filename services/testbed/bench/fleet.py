@@ -286,6 +286,19 @@ class FleetBench:
         for spy in spies:
             await asyncio.to_thread(spy.wait, 30)
 
+    async def api_requests(self) -> dict[str, int] | None:
+        """Requests the development API server has handled, by "<verb> <resource>" (its
+        ``/_dev/faults`` tally); None on the real control plane."""
+        proc = self.procs.get("apiserver")
+        if proc is None:
+            return None
+        try:
+            body = json.loads(await _http_get(proc.port, "/_dev/faults"))
+        except (OSError, TimeoutError, ValueError):
+            return None
+        got = body.get("requests") if isinstance(body, dict) else None
+        return {str(k): int(v) for k, v in got.items()} if isinstance(got, dict) else None
+
     # ------------------------------------------------------------------------------ figures
     async def pods(self, n: int) -> dict[str, Any]:
         """n pods created as fast as the client can, to all Running, then deleted to zero VMs;
@@ -295,6 +308,7 @@ class FleetBench:
         names = [f"pod{n}-{i}" for i in range(n)]
         start_seq = await log_last_seq(js, subjects) + 1
         spies = self._profile(f"pods{n}")
+        req0 = await self.api_requests()
         meter = CpuMeter(self.pids)
         meter.start()
         t0 = time.time()
@@ -307,8 +321,14 @@ class FleetBench:
         meter.start()
         issued, to_zero = await self.delete_all_and_wait(names, 120 + n / 10)
         down = meter.stop()
+        req1 = await self.api_requests()
         await self._stop_profile(spies)
         both = {k: up.get(k, 0.0) + down.get(k, 0.0) for k in up.keys() | down.keys()}
+        extra: dict[str, Any] = {}
+        if req0 is not None and req1 is not None:  # the development server's tally, harness included
+            extra["api_requests_per_pod"] = {
+                k: round((v - req0.get(k, 0)) / n, 2) for k, v in sorted(req1.items()) if v != req0.get(k, 0)
+            }
         return {
             "pods": n,
             "create_issue_s": round(created_s, 3),
@@ -320,6 +340,7 @@ class FleetBench:
             "decisions_per_pod": round(decisions / n, 2),
             "cpu_ms_per_pod": CpuMeter.per_unit_ms(both, n),
             "cpu_ms_per_pod_up": CpuMeter.per_unit_ms(up, n),
+            **extra,
         }
 
     async def latency(self, rate: int, seconds: float) -> dict[str, Any]:
