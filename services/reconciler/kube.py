@@ -25,6 +25,8 @@ Rules this module keeps (DESIGN.md, "Kubernetes side" and rules 3, 4 and 6):
 - The current object is the one the key's last successful consistent read or write returned
   (a patch answers with the updated object), kept per key (:class:`_LastSeen`, at most
   ``LAST_SEEN_MAX`` objects, least recently used dropped first); without one, a consistent GET.
+  A confirm's read of a pod not yet bound to a node is not kept: its binding (a scheduler's or
+  ours) changes it before any status write, so keeping it would only buy a 409.
   It is used only for its own incarnation (uid == the fence's uid), taken out while a write is
   in flight and put back only on success, and dropped after a delete, an eviction, a binding, or
   any outcome but ``ok``. It is trusted only through the status patch's resourceVersion
@@ -506,7 +508,10 @@ class K8sGateway:
         if obj is None:
             self.last_seen.drop(key)
             return ConfirmedRead(key=str(key), request=request, uid=None)
-        self.last_seen.keep(key, obj)
+        if key.kind == "pod" and not (obj.get("spec") or {}).get("nodeName"):
+            self.last_seen.drop(key)  # a scheduler (or our own binding) changes it next: not worth keeping
+        else:
+            self.last_seen.keep(key, obj)
         spec, invalid = spec_of_pod(obj) if key.kind == "pod" else spec_of_vm(obj)
         m = _meta(obj)
         try:

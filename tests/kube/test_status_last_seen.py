@@ -92,6 +92,21 @@ async def test_a_confirm_read_serves_the_first_status_write(
     assert tally.take() == {"get pods": 1, "patch pods/status": 1, "patch pods": 1}
 
 
+async def test_a_confirm_read_of_an_unbound_pod_is_not_kept(
+    server: ApiServer, core: client.CoreV1Api, gateway: K8sGateway
+) -> None:
+    """An unbound pod is bound next (by a scheduler here): the status write after it reads the bound
+    pod instead of spending a patch on the confirm's stale object."""
+    uid = (await create(core, node=None))["metadata"]["uid"]
+    assert (await gateway.confirm(KEY, "r")).uid == uid
+    binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "p", "namespace": NS},
+               "target": {"apiVersion": "v1", "kind": "Node", "name": "vmfence-host-a"}}
+    await core.create_namespaced_pod_binding("p", NS, binding, _preload_content=False)
+    tally = Tally(server)
+    assert (await gateway.write(KEY, status(uid, RUNNING))).outcome == "ok"
+    assert tally.take() == {"get pods": 1, "patch pods/status": 1, "patch pods": 1}
+
+
 async def test_a_write_by_another_client_in_between_gives_409_then_one_get(
     server: ApiServer, core: client.CoreV1Api, gateway: K8sGateway
 ) -> None:
