@@ -78,11 +78,46 @@ async def _answers(api: client.ApiClient) -> list[tuple[str, object]]:
         done = await gw.write(Key("pod", NS, "d1"), KubeWrite(f"w{n}", "status", Fence(f"{NS}/d1", uid, 1),
                                                               status=intent))
         out.append((f"vmfence's status {intent.phase}/{intent.reason}", done.outcome))
+    out += await _kept_object_answers(core, gw, uid)
     for status in BAD_STATUSES:
         q = await core.create_namespaced_pod(NS, {"metadata": {"generateName": "bad-"},
                                                   "spec": {"containers": [{"name": "main", "image": "busybox"}]}})
         out.append((f"status {status}", await _raw(core.patch_namespaced_pod_status, q.metadata.name, NS,
                                                    {"status": status}, _content_type=MERGE)))
+    return out
+
+
+async def _kept_object_answers(core: client.CoreV1Api, gw: K8sGateway, uid: str) -> list[tuple[str, object]]:
+    """What a status write from the gateway's kept object meets (issue 14): a status patch whose
+    resourceVersion another client's write made stale is a 409 (then one re-read, then ok), and
+    one carrying a deleted predecessor's uid (and resourceVersion) is a 409 on its successor."""
+    key, fence = Key("pod", NS, "d1"), Fence(f"{NS}/d1", uid, 1)
+    old_rv = (await core.read_namespaced_pod("d1", NS)).metadata.resource_version
+    other = {"status": {"conditions": [{"type": "example.com/Other", "status": "True"}]}}
+    await core.patch_namespaced_pod_status("d1", NS, other, _content_type=MERGE)
+    out: list[tuple[str, object]] = [
+        ("status patch with a stale resourceVersion", await _raw(
+            core.patch_namespaced_pod_status, "d1", NS,
+            {"metadata": {"uid": uid, "resourceVersion": old_rv}, "status": {"phase": "Running"}},
+            _content_type=MERGE)),
+    ]
+    done = await gw.write(key, KubeWrite("k1", "status", fence, status=INTENTS[1]))
+    out.append(("vmfence's status from a kept object gone stale", done.outcome))
+    pred_rv = (await core.read_namespaced_pod("d1", NS)).metadata.resource_version
+    await core.delete_namespaced_pod("d1", NS, grace_period_seconds=0)
+    pod = {"metadata": {"name": "d1"}, "spec": {"containers": [{"name": "main", "image": "busybox"}]}}
+    await core.create_namespaced_pod(NS, pod)
+    # uid + resourceVersion, as a kept object's patch carries them: 409 on both servers (a uid alone
+    # is a 422 "metadata.uid: field is immutable" on the real one and a 409 on the development
+    # server; the gateway re-reads after either and names the write superseded)
+    out.append(("status patch with a deleted predecessor's uid and resourceVersion", await _raw(
+        core.patch_namespaced_pod_status, "d1", NS,
+        {"metadata": {"uid": uid, "resourceVersion": pred_rv}, "status": {"phase": "Running"}}, _content_type=MERGE)))
+    done = await gw.write(key, KubeWrite("k2", "status", fence, status=INTENTS[2]))
+    out.append(("vmfence's status of a deleted predecessor, from its kept object", done.outcome))
+    succ = await core.read_namespaced_pod("d1", NS)
+    untouched = (succ.metadata.uid != uid, succ.status.phase, not succ.metadata.annotations)
+    out.append(("the successor untouched", untouched))
     return out
 
 
@@ -118,5 +153,11 @@ async def test_binding_and_status_answers_match_the_real_api_server(real: client
     finally:
         await srv.stop()
     assert [a for _, a in real_answers if a == "ok"], "the real server accepted none of vmfence's statuses"
+    kept = dict(real_answers)
+    assert kept["status patch with a stale resourceVersion"] == 409
+    assert kept["vmfence's status from a kept object gone stale"] == "ok"
+    assert kept["status patch with a deleted predecessor's uid and resourceVersion"] == 409
+    assert kept["vmfence's status of a deleted predecessor, from its kept object"] == "superseded"
+    assert kept["the successor untouched"] == (True, "Pending", True)
     differ = [(what, r, d) for (what, r), (_, d) in zip(real_answers, dev_answers, strict=True) if r != d]
     assert not differ, f"the development server answers differently from the real one: {differ}"
