@@ -71,7 +71,9 @@ REQUEST_TIMEOUT_S = 10.0  # one HTTP request
 CALL_TIMEOUT_S = 30.0  # one confirm() or write(), all retries included
 TRANSIENT_ATTEMPTS = 5  # tries of one request on 429/5xx/transport errors
 CONFLICT_ATTEMPTS = 5  # re-read + re-apply rounds after resourceVersion conflicts
-LAST_SEEN_MAX = 4096  # objects kept for the next status write of their key (LRU past it)
+LAST_SEEN_MAX = 1024  # objects kept for the next status write of their key (LRU past it): ~10 KiB each
+# for a development-server pod (more with a real server's managedFields); the pods between their binding
+# and their Running write at the fleet bench's rates are a few hundred
 BACKOFF_BASE_S = 0.05
 BACKOFF_MAX_S = 2.0
 TRANSIENT_CODES = frozenset({0, 429, 500, 502, 503, 504})  # 0: transport error or request timeout
