@@ -17,7 +17,8 @@ cache. The cost — a check nobody listed is not mutated — is what the review 
 check (and the exactly-once test) is for.
 
 The entries for code that was being restructured while the catalogue was written —
-``shared/fence/decide.py`` (as of 3eb5b24), ``services/agent/executor.py`` (c58fcde), the agent's
+``shared/fence/decide.py`` (as of 3eb5b24; since split into the package ``shared/fence/decide/``,
+one module per section of the policy), ``services/agent/executor.py`` (c58fcde), the agent's
 fence tables ``shared/fence/agentfence.py`` (808f2b5) and its op steps ``services/agent/ops``
 (2328562) — were written last, against those commits; the exactly-once test says when they drift.
 """
@@ -64,7 +65,16 @@ STATE = "shared/fence/state.py"
 APPEND_PY = "shared/bus/append.py"
 KUBE_PY = "services/reconciler/kube.py"
 LEDGER_PY = "services/agent/ledger.py"
-DECIDE = "shared/fence/decide.py"
+# the policy package shared/fence/decide/: one constant per module a mutant names
+DECIDE_BRINGUP = "shared/fence/decide/bringup.py"
+DECIDE_CONFIRMATION = "shared/fence/decide/confirmation.py"
+DECIDE_DELETES = "shared/fence/decide/deletes.py"
+DECIDE_LIFECYCLE = "shared/fence/decide/lifecycle.py"
+DECIDE_OBSERVATIONS = "shared/fence/decide/observations.py"
+DECIDE_RESULTS = "shared/fence/decide/results.py"
+DECIDE_TABLES = "shared/fence/decide/tables.py"
+DECIDE_TIMERS = "shared/fence/decide/timers.py"
+DECIDE_WRITES = "shared/fence/decide/writes.py"
 EXECUTOR = "services/agent/executor.py"
 AGENTFENCE = "shared/fence/agentfence.py"
 BRINGUP = "services/agent/ops/bringup.py"
@@ -272,9 +282,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "rule 4: the runtime annotations patch carries metadata.uid",
         KUBE,
     ),
-    # ------------------------------------------------------- the kernel's rules (shared/fence/decide.py)
+    # ------------------------------------------------------- the kernel's rules (shared/fence/decide/)
     Mutant(
-        "decide-node-name-ignored", DECIDE,
+        "decide-node-name-ignored", DECIDE_BRINGUP,
         "    if spec.node is not None:\n        if not spec.node.startswith(NODE_PREFIX):\n",
         "    if False:\n        if not spec.node.startswith(NODE_PREFIX):\n",
         "scheduling: a pod's spec.nodeName is law — its VM runs on that host or nowhere (never the emptiest "
@@ -282,7 +292,7 @@ MUTANTS: tuple[Mutant, ...] = (
         SCHEDULING,
     ),
     Mutant(
-        "decide-create-before-binding", DECIDE,
+        "decide-create-before-binding", DECIDE_BRINGUP,
         "    if _is_pod(s.key) and cur.spec.node is None:\n        _bind(run, cur)",
         "    if False:\n        _bind(run, cur)",
         "scheduling / rule 11: an unscheduled pod is bound (pods/binding, a write in the outbox) before its VM "
@@ -290,7 +300,7 @@ MUTANTS: tuple[Mutant, ...] = (
         SCHEDULING,
     ),
     Mutant(
-        "decide-lost-binding-places-anyway", DECIDE,
+        "decide-lost-binding-places-anyway", DECIDE_WRITES,
         "    if write.verb == \"bind\" and node is not None:\n        _bound_to(run, cur, node)\n",
         "    if write.verb == \"bind\" and node is not None:\n"
         "        _bound_to(run, cur, node.replace(\"-b\", \"-a\"))\n",
@@ -299,7 +309,7 @@ MUTANTS: tuple[Mutant, ...] = (
         SCHEDULING,
     ),
     Mutant(
-        "decide-write-done-of-any-fence", DECIDE,
+        "decide-write-done-of-any-fence", DECIDE_TABLES,
         "    if cur is None or cur.fence != w.fence:\n        return\n",
         "    if cur is None:\n        return\n",
         "rule 4/5: a write's answer is applied only to the incarnation it was written for (a superseded "
@@ -307,7 +317,7 @@ MUTANTS: tuple[Mutant, ...] = (
         KERNEL,
     ),
     Mutant(
-        "decide-probe-of-any-fence", DECIDE,
+        "decide-probe-of-any-fence", DECIDE_LIFECYCLE,
         "if cur is None or cur.fence != p.fence or cur.vm_id != p.vm_id",
         "if cur is None or cur.vm_id != p.vm_id",
         "rule 4: probe results count only under the current fence (after adoption the same VM is probed "
@@ -315,21 +325,21 @@ MUTANTS: tuple[Mutant, ...] = (
         KERNEL,
     ),
     Mutant(
-        "decide-restart-timer-after-delete-claim", DECIDE,
+        "decide-restart-timer-after-delete-claim", DECIDE_TIMERS,
         "cur.vm_id == p.vm_id and not cur.deleting:",
         "cur.vm_id == p.vm_id:",
         "rule 12/5: a restart timer firing after a delete claim re-checks and sends nothing",
         KERNEL,
     ),
     Mutant(
-        "decide-restart-backoff-uncapped", DECIDE,
+        "decide-restart-backoff-uncapped", DECIDE_LIFECYCLE,
         "run.env.restart_backoff_base_s * (2 ** (count - 1)), run.env.restart_backoff_max_s",
         "run.env.restart_backoff_base_s * (2 ** (count - 1)), float(\"inf\")",
         "rule 7: exponential restart backoff, capped (300 s by default)",
         KERNEL,
     ),
     Mutant(
-        "decide-superseded-observation-applied", DECIDE,
+        "decide-superseded-observation-applied", DECIDE_OBSERVATIONS,
         "    if s.is_tombstoned(o.uid):\n"
         "        run.add(Skipped(\"superseded\", o.uid, \"observation of a superseded incarnation\"))\n"
         "        return\n",
@@ -338,7 +348,7 @@ MUTANTS: tuple[Mutant, ...] = (
         KERNEL,
     ),
     Mutant(
-        "decide-admitted-without-confirmation", DECIDE,
+        "decide-admitted-without-confirmation", DECIDE_OBSERVATIONS,
         "        return  # deletion of an incarnation we never admitted: nothing of ours to undo\n"
         "    _request_confirm(run, o.uid)\n",
         "        return  # deletion of an incarnation we never admitted: nothing of ours to undo\n"
@@ -347,49 +357,49 @@ MUTANTS: tuple[Mutant, ...] = (
         KERNEL,
     ),
     Mutant(
-        "decide-epoch-reused", DECIDE,
+        "decide-epoch-reused", DECIDE_CONFIRMATION,
         "    fence = Fence(s.key, r.uid, s.epoch + 1)\n",
         "    fence = Fence(s.key, r.uid, s.epoch)\n",
         "rule 3/4: every new incarnation gets a new epoch (never reuse)",
         KERNEL,
     ),
     Mutant(
-        "decide-result-of-another-fence-applied", DECIDE,
+        "decide-result-of-another-fence-applied", DECIDE_TABLES,
         "    if cmd.fence != r.fence or cmd.vm_id != r.vm_id:\n",
         "    if False:\n",
         "rule 4: a result whose fence or VM contradicts its command is Skipped(stale_effect), never applied",
         KERNEL,
     ),
     Mutant(
-        "decide-stale-bring-up-bound", DECIDE,
+        "decide-stale-bring-up-bound", DECIDE_RESULTS,
         "    if cur is not None and cur.fence == cmd.fence and not cur.deleting and cur.vm_id == cmd.vm_id:\n",
         "    if cur is not None and not cur.deleting and cur.vm_id == cmd.vm_id:\n",
         "rule 4: a create/start/wake that took is bound only under the current fence, else removed",
         KERNEL,
     ),
     Mutant(
-        "decide-delete-claimed-twice", DECIDE,
+        "decide-delete-claimed-twice", DECIDE_DELETES,
         "    if cur.delete_claim:\n        if gone and not _vms_of(s, cur):\n",
         "    if False:\n        if gone and not _vms_of(s, cur):\n",
         "rule 5: a delete already in flight waits; it is never claimed (and its VMs removed) twice",
         KERNEL,
     ),
     Mutant(
-        "decide-eviction-under-a-delete-claim", DECIDE,
+        "decide-eviction-under-a-delete-claim", DECIDE_LIFECYCLE,
         "    if cur.delete_claim:\n        run.add(EvictionDeferred(cur.fence, g.vm_id))\n",
         "    if False:\n        run.add(EvictionDeferred(cur.fence, g.vm_id))\n",
         "rule 7: VM-gone under a delete claim defers the eviction (resolved by the delete), never evicts",
         KERNEL,
     ),
     Mutant(
-        "decide-second-vm-beside-the-first", DECIDE,
+        "decide-second-vm-beside-the-first", DECIDE_BRINGUP,
         "    if s.vms and not _stranded(run, cur):\n        return  # another VM of the key",
         "    if False:\n        return  # another VM of the key",
         "never two VMs for one key: a successor's VM waits until every other VM of the key is released",
         KERNEL,
     ),
     Mutant(
-        "decide-stranded-on-a-live-host", DECIDE,
+        "decide-stranded-on-a-live-host", DECIDE_BRINGUP,
         " or r.fence.uid == cur.fence.uid or r.host in live for r in others):",
         " or r.fence.uid == cur.fence.uid for r in others):",
         "rule 12 / never two VMs: a force-deleted predecessor's VM being removed on a live host is waited for; "
@@ -397,28 +407,28 @@ MUTANTS: tuple[Mutant, ...] = (
         SCHEDULING,
     ),
     Mutant(
-        "decide-old-absent-read-deletes", DECIDE,
+        "decide-old-absent-read-deletes", DECIDE_CONFIRMATION,
         "        if cur is not None and asked.at < cur.admitted_at:\n",
         "        if False:\n",
         "rule 3/12: an absent answer to a read asked before the current admission deletes nothing",
         KERNEL,
     ),
     Mutant(
-        "decide-exit-of-any-fence", DECIDE,
+        "decide-exit-of-any-fence", DECIDE_LIFECYCLE,
         "    if rec is None or rec.fence != e.fence or cur is None or cur.fence != e.fence:\n",
         "    if rec is None or cur is None:\n",
         "rule 4/7: a VM exit is acted on only under the fence that owns the VM and is current",
         KERNEL,
     ),
     Mutant(
-        "decide-inconclusive-adopt-trusted", DECIDE,
+        "decide-inconclusive-adopt-trusted", DECIDE_TABLES,
         "_row(_adopted, _adopt_lost, _fenced, _adopt_lost, _adopt_again)",
         "_row(_adopted, _adopt_lost, _fenced, _adopt_lost, _adopted)",
         "rule 8: an inconclusive inspect is retried, never trusted",
         KERNEL,
     ),
     Mutant(
-        "decide-failed-bring-up-releases-any-claim", DECIDE,
+        "decide-failed-bring-up-releases-any-claim", DECIDE_RESULTS,
         "    if rec is not None and rec.fence == cmd.fence:\n",
         "    if rec is not None:\n",
         "rule 2: a failed bring-up releases only a claim it still owns",

@@ -30,7 +30,7 @@ Imports do not count as definitions (outside ``__init__.py``): a doc that says a
 a file that only imports it sends the reader to the wrong room.
 
 Files a make target writes (``GENERATED``) count as present while the Makefile still writes them.
-And the policy tables docs/architecture.md shows must be the tables of decide.py's docstring, as
+And the policy tables docs/architecture.md shows must be the tables of the decide package's docstring, as
 they are: the docstring is their source.
 """
 
@@ -399,15 +399,15 @@ def _fenced_blocks(text: str) -> list[str]:
 
 
 def test_the_policy_tables_on_the_architecture_page_are_decides_docstring() -> None:
-    """The docstring of shared/fence/decide.py is the source of the reading guide, the result grid and
+    """The docstring of shared/fence/decide/__init__.py is the source of the reading guide, the result grid and
     the timer table (tests/unit/test_policy_table.py checks it against the tables); the page shows
     each of them as it is, in a fenced block of its own."""
-    doc = ast.get_docstring(ast.parse((REPO / "shared/fence/decide.py").read_text()), clean=False) or ""
+    doc = ast.get_docstring(ast.parse((REPO / "shared/fence/decide/__init__.py").read_text()), clean=False) or ""
     tables = _indented_blocks(doc)
-    assert len(tables) >= 3, "decide.py's docstring lost its tables"
+    assert len(tables) >= 3, "the decide package's docstring lost its tables"
     shown = _fenced_blocks((DOCS / "architecture.md").read_text())
     missing = [t.splitlines()[0] for t in tables if t not in shown]
-    assert not missing, f"docs/architecture.md does not show these tables of decide.py's docstring: {missing}"
+    assert not missing, f"docs/architecture.md does not show these tables of the decide package's docstring: {missing}"
 
 
 def test_generated_files_are_written_by_the_makefile() -> None:
@@ -423,14 +423,14 @@ def test_the_architecture_page_is_checked() -> None:
 
 def test_the_checker_catches_what_it_should_and_only_that() -> None:
     text = "\n".join([
-        "| a | `shared/fence/decide.py` `decide`, `_on_observed`; `shared/fence/nope.py` |",
-        "| b | `shared/fence/decide.py` `no_such_rule`, `CannotHappen.nope` |",
+        "| a | `shared/fence/decide/tables.py` `decide`, `_on_timer`; `shared/fence/nope.py` |",
+        "| b | `shared/fence/decide/tables.py` `no_such_rule`, `CannotHappen.nope` |",
         "| c | `services/agent/executor.py` `fence_verdict` (imported there, defined elsewhere) |",
         "| d | `services/agent/executor.py` `Executor.execute`, `record`, `_check_mark` |",
         "| e | `tests/unit/test_policy_table.py::test_missing_test`, `::also_missing` |",
-        "| f | `shared/fence/decide.py`: rule 12 lives in `timer_purpose_of_nothing` (prose, not a run) |",
+        "| f | `shared/fence/decide/tables.py`: rule 12 lives in `timer_purpose_of_nothing` (prose, not a run) |",
         "| g | `shared.fence.schema.Nothing`, `shared.nothing`, `services/agent/ops/` `shared/gone/` |",
-        "| h | `::orphan` `decide.py` `decide(state, input, env) -> list[Decision]` |",
+        "| h | `::orphan` `run.py` `within_bounds(inp) -> Input` |",
         "```",
         "`shared/fenced/off.py` `nothing` — a code block is not checked",
         "```",

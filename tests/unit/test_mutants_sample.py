@@ -23,7 +23,10 @@ def test_every_catalogue_snippet_occurs_exactly_once_in_its_file() -> None:
 def test_the_catalogue_covers_every_fence_module() -> None:
     covered = {m.file for m in MUTANTS}
     assert {
-        "shared/fence/decide.py", "shared/fence/state.py", "shared/fence/agentfence.py", "shared/bus/append.py",
+        *(f"shared/fence/decide/{m}.py" for m in (
+            "bringup", "confirmation", "deletes", "lifecycle", "observations", "results", "tables", "timers", "writes",
+        )),
+        "shared/fence/state.py", "shared/fence/agentfence.py", "shared/bus/append.py",
         "services/reconciler/kube.py", "services/agent/ledger.py", "services/agent/executor.py",
     } <= covered
     assert all(m.rule for m in MUTANTS)

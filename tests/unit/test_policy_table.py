@@ -1,5 +1,5 @@
 """The fence policy as data: every cell of every table is a rule or a named "cannot happen", the
-reading guide in decide.py's docstring shows exactly these cells, a cannot-happen cell that fires
+reading guide in the decide package's docstring shows exactly these cells, a cannot-happen cell that fires
 is logged and counted, and the typed vocabularies still read every log ever written."""
 
 from __future__ import annotations
