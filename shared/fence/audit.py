@@ -206,7 +206,7 @@ class Auditor:
         if s is None:
             s = self.states[key] = KeyState(key=key)
         # the commands this entry finishes: the policy decides a result in the same entry as its
-        # command's Done (decide._on_result), so a result is checked against those and nothing
+        # command's Done (decide.tables._on_result), so a result is checked against those and nothing
         # older (which also keeps the audit's memory off the log's length)
         cmds = self._cmds
         if cmds:

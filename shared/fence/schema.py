@@ -86,7 +86,7 @@ class Spec(msgspec.Struct, frozen=True, omit_defaults=True):
     probe_port: int | None = None
     host_selector: str | None = None
     # a pod's ``spec.nodeName`` (``vmfence-<host>``) once bound, by a scheduler or by vmfence's own
-    # binding: the law of its placement — its VM runs on that host or nowhere (decide._place)
+    # binding: the law of its placement — its VM runs on that host or nowhere (decide.bringup._place)
     node: str | None = None
     readiness: Probe | None = None
     liveness: Probe | None = None
@@ -315,7 +315,7 @@ SkipReason = Literal[
     "no_host",  # nothing fits; a place timer re-checks
     "hibernate_failed",  # the VM stays bound (or is removed if its fence ended)
     "orphan",  # a VM no live incarnation owns: removed
-    "cannot_happen",  # a policy cell decide.py names impossible fired after all (a bug: look)
+    "cannot_happen",  # a policy cell decide/tables.py names impossible fired after all (a bug: look)
     "invalid_spec",  # older writers only: a rejected spec change (now SpecChanged(invalid))
     "epoch_out_of_bounds",  # a report's fence above MAX_EPOCH, below 0, or far above the log's epoch
     "wrong_host",  # a report about a VM from a host other than the one the log placed it on

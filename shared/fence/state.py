@@ -94,7 +94,7 @@ class Incarnation(msgspec.Struct, omit_defaults=True):
     status: PodStatusIntent | None = None  # the last status requested
     admitted_at: int = 0  # log position of its admission
     # bring-ups that failed in a row (create/start/wake answered failed or not_found), and the last
-    # one's cause: the next is placed after a backoff that doubles per failure (decide._up_failed)
+    # one's cause: the next is placed after a backoff that doubles per failure (decide.results._up_failed)
     failures: int = 0
     failure: str | None = None
     failure_repeats: int = 0  # of those, the last ones in a row that failed for ``failure``

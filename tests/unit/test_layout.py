@@ -109,5 +109,6 @@ def test_no_module_is_left_at_an_old_address() -> None:
     from a leftover .pyc)."""
     for old in ("shared/bus.py", "shared/decide.py", "shared/schema.py", "shared/state.py", "shared/audit.py",
                 "shared/spec.py", "shared/decisions.py", "shared/metrics.py", "shared/natsserver.py",
-                "services/cli/stackcmds.py", "services/cli/logcmds.py", "services/cli/chaos_world.py"):
+                "services/cli/stackcmds.py", "services/cli/logcmds.py", "services/cli/chaos_world.py",
+                "shared/fence/decide.py"):
         assert not (ROOT / old).exists(), old

@@ -729,7 +729,7 @@ class ComposeChaos(ProcessChaos):
             "notes": self.notes[:20],
         })
         # Two VMs of one key where all but one belong to force-deleted incarnations (the churn's
-        # grace-0 recreates; issue 11, decide._stranded) are counted apart, in
+        # grace-0 recreates; issue 11, decide.bringup._stranded) are counted apart, in
         # overlaps_after_force_delete; any other overlap, and two VMs of one incarnation, fail.
         broken = bool(
             violations or result.get("leaked_vms") or result.get("lost_inputs") or result.get("pods_without_vm")

@@ -273,7 +273,7 @@ class Oracle:
         self.worst: list[str] = []
         # (key, uid8) of incarnations the workload force-deleted (grace 0): the operator's word that
         # the VM is out of the way, so a successor may start elsewhere while that VM's host is not
-        # live (issue 11, decide._stranded). Such an overlap is counted apart, never in max_per_key.
+        # live (issue 11, decide.bringup._stranded). Such an overlap is counted apart, never in max_per_key.
         self.forced = forced if forced is not None else set()
         self.forced_overlaps: list[str] = []
 
