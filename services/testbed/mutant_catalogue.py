@@ -192,7 +192,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "kube-status-of-a-successor", KUBE_PY,
-        "        uid = _meta(obj).get(\"uid\")\n"
+        "        uid = meta(obj).get(\"uid\")\n"
         "        if uid != fence.uid:\n"
         '            raise _Outcome("superseded", f"uid is now {uid}")\n',
         "",
@@ -239,7 +239,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "kube-conflict-resends-the-fresh-object", KUBE_PY,
-        '                "metadata": {"uid": fence.uid, "resourceVersion": _meta(obj).get("resourceVersion")},\n'
+        '                "metadata": {"uid": fence.uid, "resourceVersion": meta(obj).get("resourceVersion")},\n'
         '                "status": diff,\n',
         '                "metadata": {"uid": fence.uid},\n'
         '                "status": diff,\n',
@@ -249,8 +249,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "kube-status-patch-without-uid", KUBE_PY,
-        '                "metadata": {"uid": fence.uid, "resourceVersion": _meta(obj).get("resourceVersion")},\n',
-        '                "metadata": {"resourceVersion": _meta(obj).get("resourceVersion")},\n',
+        '                "metadata": {"uid": fence.uid, "resourceVersion": meta(obj).get("resourceVersion")},\n',
+        '                "metadata": {"resourceVersion": meta(obj).get("resourceVersion")},\n',
         "rule 4: a status patch carries metadata.uid",
         KUBE,
         equivalent=(
@@ -262,7 +262,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "kube-last-seen-of-another-uid", KUBE_PY,
-        '        return obj if obj is not None and _meta(obj).get("uid") == uid else None\n',
+        '        return obj if obj is not None and meta(obj).get("uid") == uid else None\n',
         "        return obj\n",
         "rule 4/6: a kept object serves only its own incarnation's writes (uid == the fence's uid)",
         KUBE,
