@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.testbed.chaos.processes import Oracle, SeenVM
+from services.testbed.chaos.oracles import Oracle, SeenVM
 
 
 class _Fixed(Oracle):

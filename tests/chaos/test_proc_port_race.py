@@ -8,7 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
-from services.testbed.chaos.processes import Proc
+from services.testbed.chaos.proc import Proc
 from services.testbed.natsserver import free_port
 
 # binds --http-port and answers /readyz, or says what the services say when the port is taken

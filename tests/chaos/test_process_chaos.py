@@ -72,7 +72,7 @@ def _assert_invariants(result: dict[str, Any], runtime: str) -> None:
 
 
 def _no_qemu_left(run_dir: Path) -> None:
-    from services.testbed.chaos.processes import qemu_pids_under
+    from services.testbed.chaos.oracles import qemu_pids_under
 
     assert qemu_pids_under(run_dir) == [], "a QEMU of this run (VM or accel probe) outlived the campaign"
 

@@ -30,7 +30,7 @@ import pytest
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from services.testbed.chaos.processes import scan_qemu
+from services.testbed.chaos.oracles import scan_qemu
 from services.testbed.kubecp import KubeControlPlane, KubeUnavailable, ServiceCredentials, binaries, start_control_plane
 from services.testbed.stack import LocalStack
 from shared.bus.read import read_stream

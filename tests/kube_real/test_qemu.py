@@ -20,7 +20,7 @@ import pytest
 
 from services.agent.runtime.images import install_guest_image
 from services.agent.runtime.qemu import REPO_GUEST_IMAGE
-from services.testbed.chaos.processes import scan_qemu
+from services.testbed.chaos.oracles import scan_qemu
 from services.testbed.kubecp import KubeControlPlane, ServiceCredentials
 from tests.kube_real.conftest import KUBECTL, KubeEnv, kube_env, namespace_for
 

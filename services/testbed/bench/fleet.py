@@ -35,7 +35,7 @@ from services.testbed.bench.suite import (
     pct,
     r4,
 )
-from services.testbed.chaos.processes import Proc, _svc
+from services.testbed.chaos.proc import Proc, cli
 
 HOSTS = ("host-a", "host-b")
 PARTITIONS = 8
@@ -142,7 +142,7 @@ class FleetBench:
             port = free_port()
             self.procs[f"agent-{host}"] = Proc(
                 f"agent-{host}", "agent",
-                _svc("agent", "--nats-url", url, "--host", host, "--runtime", "sim",
+                cli("agent", "--nats-url", url, "--host", host, "--runtime", "sim",
                      "--data-dir", str(self.dir / "agents" / host), "--http-host", "127.0.0.1",
                      "--http-port", str(port), "--partitions", str(PARTITIONS), "--cpus", "100000",
                      "--memory-mib", str(10**8), "--vnc-range", "none", "--network", "user"),
@@ -151,7 +151,7 @@ class FleetBench:
         port = free_port()
         self.procs["watcher"] = Proc(
             "watcher", "watcher",
-            _svc("watcher", "--nats-url", url, "--kubeconfig", self.kubeconfig_of("watcher"),
+            cli("watcher", "--nats-url", url, "--kubeconfig", self.kubeconfig_of("watcher"),
                  "--partitions", str(PARTITIONS),
                  "--namespace", NS, "--http-host", "127.0.0.1", "--http-port", str(port)),
             port, logs / "watcher.log", env=users.env("watcher"),
@@ -161,7 +161,7 @@ class FleetBench:
             name = f"reconciler-{i}"
             self.procs[name] = Proc(
                 name, "reconciler",
-                _svc("reconciler", "--nats-url", url, "--kubeconfig", self.kubeconfig_of("reconciler"), "--id", name,
+                cli("reconciler", "--nats-url", url, "--kubeconfig", self.kubeconfig_of("reconciler"), "--id", name,
                      "--partitions", str(PARTITIONS), "--data-dir", str(self.dir / "reconcilers"),
                      "--http-host", "127.0.0.1", "--http-port", str(port)),
                 port, logs / f"{name}.log", env=users.env("reconciler"),
@@ -190,7 +190,7 @@ class FleetBench:
         port = free_port()
         self.procs["apiserver"] = Proc(
             "apiserver", "apiserver",
-            _svc("apiserver", "--port", str(port), "--kubeconfig-out", self.kubeconfig), port, logs / "apiserver.log",
+            cli("apiserver", "--port", str(port), "--kubeconfig-out", self.kubeconfig), port, logs / "apiserver.log",
         )  # fmt: skip
         self.procs["apiserver"].start()
         if not await self.procs["apiserver"].wait_ready(READY_S):
@@ -416,7 +416,7 @@ async def bare_api_baseline(n: int, concurrency: int, tmp: str) -> dict[str, Any
     d.mkdir(parents=True, exist_ok=True)
     kubeconfig = str(d / "kubeconfig")
     port = free_port()
-    proc = Proc("apiserver", "apiserver", _svc("apiserver", "--port", str(port), "--kubeconfig-out", kubeconfig),
+    proc = Proc("apiserver", "apiserver", cli("apiserver", "--port", str(port), "--kubeconfig-out", kubeconfig),
                 port, d / "apiserver.log")
     proc.start()
     try:

@@ -46,8 +46,8 @@ from typing import Any, ClassVar
 import msgspec
 import yaml
 
-from services.testbed.chaos.oracles import lost_inputs
-from services.testbed.chaos.processes import NS, Oracle, ProcessChaos, SeenVM, _incarnation_of, _proc_alive
+from services.testbed.chaos.oracles import NS, Oracle, SeenVM, incarnation_of, lost_inputs, proc_alive
+from services.testbed.chaos.processes import ProcessChaos
 from shared.tasks import cancel_and_wait
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository
@@ -178,7 +178,7 @@ def scan_containers(ids: dict[str, str]) -> list[SeenVM]:
         except OSError:
             continue
         service = next((s for cid, s in ids.items() if f"libpod-{cid}" in cgroup), None)
-        if service is None or not _proc_alive(pid):
+        if service is None or not proc_alive(pid):
             continue
         try:
             pidfile = argv[argv.index(b"-pidfile") + 1].decode()
@@ -189,7 +189,7 @@ def scan_containers(ids: dict[str, str]) -> list[SeenVM]:
         with contextlib.suppress(OSError, ValueError):
             with open(f"/proc/{pid}/root{vm_dir}/spec.json") as f:
                 labels = dict((json.load(f).get("spec") or {}).get("labels") or {})
-        key, uid8 = _incarnation_of(os.path.basename(vm_dir), labels)
+        key, uid8 = incarnation_of(os.path.basename(vm_dir), labels)
         out.append(SeenVM(os.path.basename(vm_dir), key, uid8, pid, service.removeprefix("agent-")))
     return out
 

@@ -20,12 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -33,318 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from services.testbed.chaos.oracles import LIVE_STATES
+from services.testbed.chaos.oracles import HOSTS, NS, Oracle, kill_leftover_qemu, qemu_pids_under
+from services.testbed.chaos.proc import POLL_S, READY_TIMEOUT_S, Proc, cli, http_post_json, http_status
 from shared.tasks import cancel_and_wait
 
-NS = "default"
-ROOT = Path(__file__).resolve().parents[3]  # the repository (this file is services/testbed/<pkg>/)
 PARTITIONS = 8
-HOSTS = ("host-a", "host-b")
 LEASE_TTL_S = 3.0
-READY_TIMEOUT_S = 60.0  # a restarted component becomes ready (bounded; a miss is reported)
-STOP_TIMEOUT_S = 20.0  # SIGTERM -> exit before SIGKILL
-ORACLE_PERIOD_S = 0.1
 QUIET_S = 5.0  # no new log entry for this long (with zero lag) = quiescent
-POLL_S = 0.2  # readiness/quiescence have no event to wait on: bounded polling
-HTTP_TIMEOUT_S = 2.0
-
-
-@dataclass
-class Proc:
-    """One service process with a fixed argv, port and log, so a restart keeps its identity."""
-
-    name: str
-    kind: str
-    argv: list[str]
-    port: int
-    log: Path
-    env: dict[str, str] = field(default_factory=dict)  # its NATS identity (VMFENCE_NATS_USER/_PASSWORD)
-    keep_fds: tuple[int, ...] = ()  # the run directory's lock: held while this process lives
-    popen: subprocess.Popen[bytes] | None = None
-
-    @property
-    def running(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def start(self) -> None:
-        from services.testbed.stack import private_append
-
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VMFENCE_NATS_")} | self.env
-        err = private_append(self.log)
-        try:  # the identity travels in the environment, never in argv (ps shows argv to everyone)
-            self.popen = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd=ROOT, env=env,
-                start_new_session=True, umask=0o077, pass_fds=self.keep_fds,
-            )
-        finally:
-            os.close(err)  # the child keeps its own descriptor
-
-    def kill(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL)
-            self.popen.wait(10)
-
-    async def stop(self) -> None:
-        """SIGTERM (agents then remove their VMs), bounded, then SIGKILL."""
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        self.popen.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.to_thread(self.popen.wait, STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-    async def wait_ready(self, within_s: float = READY_TIMEOUT_S) -> bool:
-        deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline:
-            if not self.running:
-                return False
-            if await _http_status(self.port, "/readyz") == 200:
-                return True
-            await asyncio.sleep(POLL_S)
-        return False
-
-    async def start_ready(self, within_s: float = READY_TIMEOUT_S, attempts: int = 3) -> bool:
-        """Start and wait until ready; a start that lost its port to another process between
-        ``free_port()`` and its bind ("address already in use") is retried on a new port."""
-        from services.testbed.natsserver import free_port
-
-        for _ in range(attempts):
-            if not self.running:
-                self.start()
-            if await self.wait_ready(within_s):
-                return True
-            if self.running or "address already in use" not in self.tail(5):
-                return False
-            self.rebind(free_port())
-        return False
-
-    def rebind(self, port: int) -> None:
-        """Listen on ``port`` from the next start (its ``--http-port`` and its ``port``)."""
-        i = self.argv.index("--http-port")
-        self.argv[i + 1] = str(port)
-        self.port = port
-
-    def tail(self, n: int = 15) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-
-async def _http_status(port: int, path: str) -> int:
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), HTTP_TIMEOUT_S)
-    except (OSError, TimeoutError):
-        return 0
-    try:
-        writer.write(f"GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n".encode())
-        await writer.drain()
-        line = await asyncio.wait_for(reader.readline(), HTTP_TIMEOUT_S)
-        parts = line.split()
-        return int(parts[1]) if len(parts) >= 2 else 0
-    except (OSError, TimeoutError, ValueError):
-        return 0
-    finally:
-        writer.close()
-
-
-async def _http_post_json(port: int, path: str, body: dict[str, Any]) -> int:
-    data = json.dumps(body).encode()
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), HTTP_TIMEOUT_S)
-    except (OSError, TimeoutError):
-        return 0
-    try:
-        writer.write(
-            f"POST {path} HTTP/1.0\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n".encode() + data
-        )
-        await writer.drain()
-        line = await asyncio.wait_for(reader.readline(), HTTP_TIMEOUT_S)
-        parts = line.split()
-        return int(parts[1]) if len(parts) >= 2 else 0
-    except (OSError, TimeoutError, ValueError):
-        return 0
-    finally:
-        writer.close()
-
-
-def _svc(*args: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", *args]
-
-
-# ----------------------------------------------------------------------------------- oracle
-
-
-def _incarnation_of(vm_id: str, labels: dict[str, str]) -> tuple[str, str]:
-    """(key, uid prefix) of a VM: from the labels the agent stored, else from the VM name, which
-    embeds the sanitized pod name and the uid's first 8 hex digits (our pod names are already safe)."""
-    key = labels.get("vmfence.io/key")
-    uid = labels.get("vmfence.io/uid")
-    if key and uid:
-        return key, uid.replace("-", "")[:8]
-    name, uid8, _gen = ([*vm_id.rsplit("-", 2), "", ""])[:3]
-    return f"{NS}/{name}", uid8
-
-
-@dataclass(frozen=True)
-class SeenVM:
-    vm_id: str
-    key: str
-    uid8: str
-    pid: int | None  # the QEMU pid; None for the sim runtime
-    host: str
-
-
-def _proc_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2 :].split(" ", 1)[0] not in ("Z", "X")
-
-
-def scan_qemu(run_dir: Path) -> list[SeenVM]:
-    """Every live QEMU whose pidfile is ``<run_dir>/agents/<host>/runtime/vms/<vm>/qemu.pid``."""
-    prefix = str(run_dir.resolve() / "agents") + os.sep
-    out: list[SeenVM] = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if not argv or b"qemu-system" not in os.path.basename(argv[0]):
-            continue
-        try:
-            pidfile = argv[argv.index(b"-pidfile") + 1].decode()
-        except (ValueError, IndexError):
-            continue
-        if not pidfile.startswith(prefix) or not _proc_alive(pid):
-            continue
-        vm_dir = os.path.dirname(pidfile)
-        vm_id = os.path.basename(vm_dir)
-        host = pidfile[len(prefix) :].split(os.sep, 1)[0]
-        labels: dict[str, str] = {}
-        with contextlib.suppress(OSError, ValueError):
-            with open(os.path.join(vm_dir, "spec.json")) as f:
-                labels = dict((json.load(f).get("spec") or {}).get("labels") or {})
-        key, uid8 = _incarnation_of(vm_id, labels)
-        out.append(SeenVM(vm_id, key, uid8, pid, host))
-    return out
-
-
-def scan_sim(run_dir: Path) -> list[SeenVM]:
-    """VMs the sim hosts record as existing (the file outlives a SIGKILLed agent, like a host)."""
-    from services.agent.runtime.sim import load_host
-
-    out: list[SeenVM] = []
-    for host in HOSTS:
-        try:
-            rec = load_host(str(run_dir / "agents" / host / "runtime"))
-        except (OSError, ValueError):
-            continue
-        for vm_id, vm in rec.vms.items():
-            if vm.state in LIVE_STATES:
-                key, uid8 = _incarnation_of(vm_id, dict(vm.spec.labels))
-                out.append(SeenVM(vm_id, key, uid8, None, host))
-    return out
-
-
-class Oracle:
-    """Samples the OS (or the sim host files) and keeps the worst VM count per key and incarnation.
-
-    One scan is not atomic (a VM may exit while a later one is read), so a sample with two VMs for
-    one key is confirmed by a second scan: VM names are never reused, so two VMs present in both
-    scans existed at the same instant (the moment the second scan read the first of them).
-    """
-
-    def __init__(self, run_dir: Path, runtime: str, forced: set[tuple[str, str]] | None = None) -> None:
-        self.run_dir = run_dir
-        self.runtime = runtime
-        self.samples = 0
-        self.max_per_key = 0
-        self.max_per_incarnation = 0
-        self.worst: list[str] = []
-        # (key, uid8) of incarnations the workload force-deleted (grace 0): the operator's word that
-        # the VM is out of the way, so a successor may start elsewhere while that VM's host is not
-        # live (issue 11, decide.bringup._stranded). Such an overlap is counted apart, never in max_per_key.
-        self.forced = forced if forced is not None else set()
-        self.forced_overlaps: list[str] = []
-
-    def scan(self) -> list[SeenVM]:
-        return scan_qemu(self.run_dir) if self.runtime == "qemu" else scan_sim(self.run_dir)
-
-    @staticmethod
-    def _group(vms: list[SeenVM], by_incarnation: bool) -> dict[Any, set[str]]:
-        out: dict[Any, set[str]] = {}
-        for vm in vms:
-            out.setdefault((vm.key, vm.uid8) if by_incarnation else vm.key, set()).add(vm.vm_id)
-        return out
-
-    def sample(self) -> None:
-        first = self.scan()
-        self.samples += 1
-        per_key = self._group(first, False)
-        worst = max((len(v) for v in per_key.values()), default=0)
-        if worst > 1:
-            second = {vm.vm_id for vm in self.scan()}
-            per_key = {k: v & second for k, v in per_key.items()}
-            per_inc = {k: v & second for k, v in self._group(first, True).items()}
-        else:
-            per_inc = self._group(first, True)
-        incarnation = {vm.vm_id: (vm.key, vm.uid8) for vm in first}
-        for k, v in per_key.items():
-            unforced = {vm for vm in v if incarnation.get(vm) not in self.forced}
-            if len(v) > 1 and len(unforced) <= 1:
-                self.forced_overlaps.append(
-                    f"{k}: {sorted(v)} at once, all but one force-deleted (t={time.time():.1f})")
-                self.max_per_key = max(self.max_per_key, 1)
-                continue
-            if len(v) > 1:
-                self.worst.append(f"{k}: {sorted(v)} at once (t={time.time():.1f})")
-            self.max_per_key = max(self.max_per_key, len(v))
-        for v in per_inc.values():
-            self.max_per_incarnation = max(self.max_per_incarnation, len(v))
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.to_thread(self.sample)
-            await asyncio.sleep(ORACLE_PERIOD_S)
-
-
-def qemu_pids_under(run_dir: Path) -> list[int]:
-    """Every live QEMU whose command line names a path under run_dir — VMs and also the agent's
-    accel-probe QEMU (no pidfile; it survives an agent SIGKILLed mid-probe)."""
-    needle = str(run_dir.resolve()).encode() + b"/"
-    pids: list[int] = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if argv and b"qemu-system" in os.path.basename(argv[0]) and any(needle in a for a in argv[1:]):
-            if _proc_alive(int(entry)):
-                pids.append(int(entry))
-    return pids
-
-
-def kill_leftover_qemu(run_dir: Path) -> int:
-    """SIGKILL every QEMU of this run still alive (the last line of cleanup)."""
-    n = 0
-    for pid in qemu_pids_under(run_dir):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-            n += 1
-    return n
 
 
 # ------------------------------------------------------------------------------- the campaign
@@ -430,7 +122,7 @@ class ProcessChaos:
         self.api_port = api_port
         self.procs["apiserver"] = Proc(
             "apiserver", "apiserver",
-            _svc("apiserver", "--port", str(api_port), "--db", str(self.run_dir / "api.sqlite"),
+            cli("apiserver", "--port", str(api_port), "--db", str(self.run_dir / "api.sqlite"),
                  "--kubeconfig-out", kubeconfig),
             api_port, logs / "apiserver.log",
         )  # fmt: skip
@@ -441,7 +133,7 @@ class ProcessChaos:
         await self._apply_api_faults()
         for host in HOSTS:
             port = free_port()
-            argv = _svc(
+            argv = cli(
                 "agent", "--nats-url", urls, "--host", host, "--runtime", self.runtime,
                 "--data-dir", str(self.run_dir / "agents" / host), "--http-host", "127.0.0.1",
                 "--http-port", str(port), "--partitions", str(PARTITIONS), "--cpus", "64",
@@ -454,7 +146,7 @@ class ProcessChaos:
         port = free_port()
         self.procs["watcher"] = Proc(
             "watcher", "watcher",
-            _svc("watcher", "--nats-url", urls, "--kubeconfig", kubeconfig, "--partitions", str(PARTITIONS),
+            cli("watcher", "--nats-url", urls, "--kubeconfig", kubeconfig, "--partitions", str(PARTITIONS),
                  "--namespace", NS, "--http-host", "127.0.0.1", "--http-port", str(port)),
             port, logs / "watcher.log", env=users.env("watcher"),
         )  # fmt: skip
@@ -463,7 +155,7 @@ class ProcessChaos:
             name = f"reconciler-{i}"
             self.procs[name] = Proc(
                 name, "reconciler",
-                _svc("reconciler", "--nats-url", urls, "--kubeconfig", kubeconfig, "--id", name,
+                cli("reconciler", "--nats-url", urls, "--kubeconfig", kubeconfig, "--id", name,
                      "--partitions", str(PARTITIONS), "--replicas", "3",
                      "--data-dir", str(self.run_dir / "reconcilers"), "--http-host", "127.0.0.1",
                      "--http-port", str(port), "--lease-ttl", str(int(LEASE_TTL_S)),
@@ -484,7 +176,7 @@ class ProcessChaos:
 
     async def _apply_api_faults(self) -> None:
         if self.args.stale_reads and not self._stop_faults.is_set():
-            await _http_post_json(self.api_port, "/_dev/faults", {"stale": {"events": self.args.stale_reads}})
+            await http_post_json(self.api_port, "/_dev/faults", {"stale": {"events": self.args.stale_reads}})
 
     async def stop_stack(self) -> dict[str, Any]:
         """Reverse order; agents get SIGTERM and remove their VMs (--cleanup-on-stop). A run that
@@ -552,7 +244,7 @@ class ProcessChaos:
         """A restarted node is caught up when its full /healthz (streams current) says so."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
-            if await _http_status(node.http_port, "/healthz") == 200:
+            if await http_status(node.http_port, "/healthz") == 200:
                 return
             await asyncio.sleep(POLL_S)
         raise TimeoutError(f"{node.name} /healthz not ok within {READY_TIMEOUT_S:.0f}s")
@@ -779,7 +471,7 @@ class ProcessChaos:
             self._stop_faults.set()
             await asyncio.gather(churn, killer)  # the killer finishes its restart first
             result["chaos_seconds"] = round(time.monotonic() - chaos_t0, 1)
-            await _http_post_json(self.api_port, "/_dev/faults", {"reset": True})
+            await http_post_json(self.api_port, "/_dev/faults", {"reset": True})
             await self.settle(result, recheck_after_s=25.0)
             reviver.cancel()
             await asyncio.to_thread(oracle.sample)
