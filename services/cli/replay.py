@@ -10,7 +10,6 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Iterable
 from typing import Any, BinaryIO
 
 import msgspec
@@ -20,7 +19,15 @@ from rich.table import Table
 
 from services.cli.common import CliError, open_bus
 from services.cli.decisions import stamp
-from services.cli.replayjobs import MAX_JOBS, SHARDED_MIN_BYTES, Merged, audit_file, default_jobs, peak_rss_kib
+from services.cli.replayjobs import (
+    MAX_JOBS,
+    SHARDED_MIN_BYTES,
+    AuditFeed,
+    Merged,
+    audit_file,
+    default_jobs,
+    peak_rss_kib,
+)
 from shared.bus.connect import mask_url
 from shared.bus.logstream import EXPORT_MAGIC, Record, encode_record, iter_export_batches, read_log
 from shared.fence.audit import Auditor, AuditReport
@@ -69,66 +76,34 @@ class Origin(msgspec.Struct):
 
 
 class AuditRun:
-    """Feeds the auditor record by record, noting the log's origin and span and the time of the
-    entry at which each violation was found; keeps the records only when a report needs them (a
-    replay's memory is otherwise bounded by the keys, not by the log's length)."""
+    """One replay: the feed of records into the auditor (or a sharded replay's merged result), and
+    the log's origin and span as the report names them."""
 
     def __init__(self, origin: Origin, *, keep: bool) -> None:
         self.auditor = Auditor()
         self.origin = origin
         self.records: list[Record] | None = [] if keep else None
-        self.violation_times: list[float] = []
-        self._first_t = 0.0
-        self._last_t = 0.0
+        self.feed = AuditFeed(self.auditor, self.records)
+        self.feed_all = self.feed.feed_all
+        self.violation_times = self.feed.violation_times
         self._merged: AuditReport | None = None  # a sharded replay's report, made by its processes
         self.jobs = 1
         self.shard_cpu_seconds = 0.0  # what the shard processes spent (the caller's CPU is apart)
         self.shard_peak_rss_kib = 0
 
-    def feed(self, rec: Record) -> None:
-        self.feed_all((rec,))
-
-    def feed_all(self, records: Iterable[Record]) -> None:
-        """Feed records in log order (one loop with its lookups hoisted: a replay runs it per entry)."""
-        auditor = self.auditor
-        feed = auditor.feed
-        keep = self.records
-        origin = self.origin
-        last_seq, last_t = origin.last_seq, self._last_t
-        found_list = auditor.found
-        found = len(found_list)
-        rec: Record | None = None
-        for rec in records:
-            entry = rec.entry
-            if rec.error:
-                auditor.undecodable(entry.key, rec.seq, rec.error)
-            else:
-                feed(entry, rec.seq)
-            t = entry.at or rec.ts  # Record.written_at()
-            if not origin.first_seq:
-                origin.first_seq, self._first_t = rec.seq, t
-            if t > last_t:
-                last_t = t
-            if len(found_list) != found:
-                self.violation_times.extend([t] * (len(found_list) - found))
-                found = len(found_list)
-            if keep is not None:
-                keep.append(rec)
-        if rec is not None:
-            last_seq = rec.seq
-        origin.last_seq, self._last_t = last_seq, last_t
-
     def take_merged(self, merged: Merged, jobs: int) -> None:
         """The result of a sharded replay of the whole log (``services.cli.replayjobs``)."""
         self._merged = merged.report
         self.violation_times = merged.violation_times
-        self.origin.first_seq, self._first_t = merged.first_seq, merged.first_t
-        self.origin.last_seq, self._last_t = merged.last_seq, merged.last_t
+        f = self.feed
+        f.first_seq, f.first_t, f.last_seq, f.last_t = merged.first_seq, merged.first_t, merged.last_seq, merged.last_t
         self.jobs, self.shard_cpu_seconds = jobs, merged.cpu_seconds
         self.shard_peak_rss_kib = merged.peak_rss_kib
 
     def report(self, *, final: bool) -> AuditReport:
-        self.origin.first_time, self.origin.last_time = stamp(self._first_t), stamp(self._last_t)
+        f, o = self.feed, self.origin
+        o.first_seq, o.last_seq = f.first_seq, f.last_seq
+        o.first_time, o.last_time = stamp(f.first_t), stamp(f.last_t)
         if self._merged is not None:
             return self._merged
         return self.auditor.report(final=final)
@@ -176,7 +151,7 @@ async def _audit(args: argparse.Namespace) -> AuditRun:
         origin = Origin("jetstream", mask_url(url), bus.subjects.stream_log, bus.subjects.partitions)
         run = AuditRun(origin, keep=bool(args.html))
         async for rec in read_log(bus.js, bus.subjects):
-            run.feed(rec)
+            run.feed_all((rec,))
     finally:
         await bus.close()
     return run

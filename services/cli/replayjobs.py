@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
-from shared.bus.logstream import EXPORT_MAGIC, MAPPED_RELEASE_BYTES, Record
+from shared.bus.logstream import EXPORT_MAGIC, PagesBack, Record
 from shared.fence.audit import Auditor, AuditReport, Violation, VMEvent, merge_reports, vm_bound_twice
 
 SHARDED_MIN_BYTES = 8 * 1024 * 1024
@@ -130,22 +130,6 @@ def key_bytes(data: bytes | mmap.mmap, start: int, end: int) -> bytes:
 _key_only = msgspec.msgpack.Decoder(_KeyOnlyRecord).decode
 
 
-class _PagesBack:
-    """Hands the pages of a mapped file read so far back to the kernel every
-    ``MAPPED_RELEASE_BYTES``: they stay in the page cache, and the process's resident memory stays
-    its audit's, not the file's."""
-
-    def __init__(self, data: bytes | mmap.mmap) -> None:
-        self.mapped = data if isinstance(data, mmap.mmap) else None
-        self.released = 0
-
-    def upto(self, pos: int) -> None:
-        if self.mapped is not None and pos - self.released >= MAPPED_RELEASE_BYTES:
-            end = pos - pos % mmap.PAGESIZE
-            self.mapped.madvise(mmap.MADV_DONTNEED, self.released, end - self.released)
-            self.released = end
-
-
 OFFSETS_BATCH = 2048  # record offsets sent to a shard at a time (16 KiB: well under a pipe's 64 KiB)
 
 
@@ -157,7 +141,7 @@ def _scan(data: bytes | mmap.mmap, shards: int, send: list[int]) -> Iterator[arr
     pending = [array.array("Q") for _ in range(shards)]
     shard_of_key: dict[bytes, int] = {}
     permille = round(1000 * parent_share(shards))
-    back = _PagesBack(data)
+    back = PagesBack(data)
     pos, end = len(EXPORT_MAGIC), len(data)
     while pos + 4 <= end:
         size = int.from_bytes(data[pos : pos + 4], "big")
@@ -212,49 +196,73 @@ def _offsets(fd: int) -> Iterator[array.array[int]]:
             yield batch
 
 
+class AuditFeed:
+    """Feeds an auditor records in log order and notes what a report says besides the audit: the
+    span (first and last sequence, first and latest time) and the time of the entry at which each
+    violation (and, for a shard, each VM event) was found; keeps the records only when asked (an
+    HTML report needs them; otherwise memory is the audit's, bounded by the keys)."""
+
+    def __init__(self, auditor: Auditor, keep: list[Record] | None = None) -> None:
+        self.auditor = auditor
+        self.keep = keep
+        self.first_seq, self.first_t, self.last_seq, self.last_t = 0, 0.0, 0, 0.0
+        self.violation_times: list[float] = []
+        self.event_times: list[float] = []
+
+    def feed_all(self, records: Iterable[Record]) -> None:
+        """One loop with its lookups hoisted: a replay runs it per entry."""
+        auditor = self.auditor
+        feed = auditor.feed
+        keep = self.keep
+        found = auditor.found
+        events = auditor.vm_events if auditor.vm_events is not None else []
+        violation_times, event_times = self.violation_times, self.event_times
+        first_seq, last_t = self.first_seq, self.last_t
+        rec: Record | None = None
+        for rec in records:
+            entry = rec.entry
+            ne, nv = len(events), len(found)
+            if rec.error:
+                auditor.undecodable(entry.key, rec.seq, rec.error)
+            else:
+                feed(entry, rec.seq)
+            t = entry.at or rec.ts  # Record.written_at()
+            if not first_seq:
+                first_seq, self.first_t = rec.seq, t
+            if t > last_t:
+                last_t = t
+            if len(events) != ne:
+                event_times.extend([t] * (len(events) - ne))
+            if len(found) != nv:
+                violation_times.extend([t] * (len(found) - nv))
+            if keep is not None:
+                keep.append(rec)
+        if rec is not None:
+            self.last_seq = rec.seq
+        self.first_seq, self.last_t = first_seq, last_t
+
+
 def audit_shard(data: bytes | mmap.mmap, offsets: Iterable[array.array[int]], final: bool) -> ShardResult:
     """Audit the records at ``offsets`` (a shard's, in stream order), recording VM events."""
     cpu0 = time.process_time()
     auditor = Auditor(shard=True)
-    feed = auditor.feed
-    events = auditor.vm_events
-    assert events is not None
-    found = auditor.found
+    run = AuditFeed(auditor)
     record_of = msgspec.msgpack.Decoder(Record).decode
-    result = ShardResult(AuditReport(), events, [], [])
-    event_times, violation_times = result.event_times, result.violation_times
-    first_seq, first_t, last_t, last_seq = 0, 0.0, 0.0, 0
     view = memoryview(data)
-    back = _PagesBack(data)
+    back = PagesBack(data)
     try:
         for batch in offsets:
             # decoded a batch at a time, then audited: the decoder's and the audit's code stay hot
-            recs = [record_of(view[p + 4 : p + 4 + int.from_bytes(data[p : p + 4], "big")]) for p in batch]
-            for rec in recs:
-                entry = rec.entry
-                ne, nv = len(events), len(found)
-                if rec.error:
-                    auditor.undecodable(entry.key, rec.seq, rec.error)
-                else:
-                    feed(entry, rec.seq)
-                t = entry.at or rec.ts
-                if not first_seq:
-                    first_seq, first_t = rec.seq, t
-                if t > last_t:
-                    last_t = t
-                last_seq = rec.seq
-                if len(events) != ne:
-                    event_times.extend([t] * (len(events) - ne))
-                if len(found) != nv:
-                    violation_times.extend([t] * (len(found) - nv))
+            run.feed_all([record_of(view[p + 4 : p + 4 + int.from_bytes(data[p : p + 4], "big")]) for p in batch])
             back.upto(batch[-1])
     finally:
         view.release()
-    result.report = auditor.report(final=final)
-    result.first_seq, result.first_t, result.last_seq, result.last_t = first_seq, first_t, last_seq, last_t
-    result.cpu_seconds = time.process_time() - cpu0
-    result.peak_rss_kib = peak_rss_kib()
-    return result
+    assert auditor.vm_events is not None
+    return ShardResult(
+        auditor.report(final=final), auditor.vm_events, run.event_times, run.violation_times,
+        first_seq=run.first_seq, first_t=run.first_t, last_seq=run.last_seq, last_t=run.last_t,
+        cpu_seconds=time.process_time() - cpu0, peak_rss_kib=peak_rss_kib(),
+    )
 
 
 def _shard_main(path: str, recv: int, close: list[int], conn: Connection, final: bool) -> None:
