@@ -185,11 +185,6 @@ class Auditor:
             for t, fold_t in FOLDS.items()
         }
 
-    @property
-    def violations_found(self) -> int:
-        """Violations found so far by feeding (a caller can tell which entry raised one)."""
-        return len(self.found)
-
     def undecodable(self, key: str, seq: int | None, message: str) -> None:
         """A stored entry that did not decode (corrupt or forged): a violation at its position; the
         key's state is untouched, so the entries after it are judged as if it were absent."""
