@@ -3,12 +3,13 @@
 Each seed runs batches. A batch publishes, with each identity's own NATS permissions in turn
 (watcher, every agent, audit), undecodable bytes and valid-schema messages with hostile values
 (huge and negative epochs, wrong keys, wrong hosts, unknown versions, oversized fields, replayed and
-future command ids, forged commands and log entries), and creates pods with hostile annotations and
-names through the API. After every batch a probe pod must reach Running within a bound: one bad
-object never stops, wedges or slows another key. Oracles over the whole run: no component crashed;
-no VM was created or removed by a message (the VMs of the steady pods are the same before and after
-every batch, and every VM belongs to a pod someone created); `vmfence verify` finds no drift; the
-audit is clean.
+future command ids, forged commands and log entries); it sends each valid-schema lie once more with
+an agent's own credentials on its own subject, so that only the fence stands in its way; and it
+creates pods with hostile annotations and names through the API. After every batch a probe pod must
+reach Running within a bound: one bad object never stops, wedges or slows another key. Oracles over
+the whole run: no component crashed; no VM was created or removed by a message (the VMs of the
+steady pods are the same before and after every batch, and every VM belongs to a pod someone
+created); `vmfence verify` finds no drift; the audit is clean.
 """
 
 from __future__ import annotations
@@ -115,11 +116,18 @@ def _fence_json(key: str, uid: str, epoch: int | str) -> str:
 # campaign sends them as everyone else (whom NATS refuses, or the log's placement contradicts).
 HOST_EVIDENCE_KINDS = frozenset({"future_command", "foreign_inventory"})
 
+# Lies an agent may send with its own credentials on its own subject for the key the payload names,
+# so that NATS and the subject checks let them through and only the fence stands in the way: each
+# round sends each of these once that way, besides the random sends (which mostly meet a refusal or
+# a subject that names another key first). A wrong-host lie comes from the other host's agent, the
+# rest from the VM's own host's agent.
+AUTHORISED_LIES = frozenset({"future_epoch", "wrong_host", "wrong_host_exit", "replayed_command_id", "stale_probe"})
+
 
 def _hostile_messages(rng: random.Random,
-                      live: dict[str, tuple[str, str, str, int]]) -> tuple[str, list[tuple[str, bytes]]]:
-    """The VM's host and (kind, payload) pairs; ``live`` maps key -> (uid, host, vm_id, epoch) of the
-    steady pods."""
+                      live: dict[str, tuple[str, str, str, int]]) -> tuple[str, str, list[tuple[str, bytes]]]:
+    """The lies' key, the VM's host and (kind, payload) pairs; ``live`` maps key -> (uid, host,
+    vm_id, epoch) of the steady pods."""
     key, (uid, host, vm_id, epoch) = rng.choice(sorted(live.items()))
     other_host = next(h for h in HOSTS if h != host)
     f = Fence(key, uid, epoch)
@@ -148,7 +156,7 @@ def _hostile_messages(rng: random.Random,
                                                  vm_id="intruder-vm", state="running"))),
     ]
     rng.shuffle(out)
-    return host, out
+    return key, host, out
 
 
 def _identity(stack: LocalStack, user: str) -> tuple[str, str | None]:
@@ -184,8 +192,14 @@ class HostileCampaign:
                              live: dict[str, tuple[str, str, str, int]]) -> None:
         subjects = stack.subjects
         for _ in range(max(1, MESSAGES_PER_BATCH // 20)):
-            vm_host, messages = _hostile_messages(rng, live)
+            lie_key, vm_host, messages = _hostile_messages(rng, live)
+            other_host = next(h for h in HOSTS if h != vm_host)
             for kind, payload in messages:
+                if kind in AUTHORISED_LIES:
+                    liar = other_host if kind.startswith("wrong_host") else vm_host
+                    with contextlib.suppress(nats.errors.Error, TimeoutError):
+                        await conns[f"agent-{liar}"].publish(subjects.host_report(Key.parse(lie_key), liar), payload)
+                    self.tally.sent(kind, f"agent-{liar}")
                 users = sorted(conns)
                 if kind in HOST_EVIDENCE_KINDS:
                     users = [u for u in users if u != f"agent-{vm_host}"]
