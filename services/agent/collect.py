@@ -188,10 +188,7 @@ class Collector:
         ex = self.executor
         if ex.network is None:
             return
-        async with ex.ledger.db.execute(
-            "SELECT resource, vm_id, uid, epoch, at FROM reservations WHERE kind = ?", (ADDRESS_KIND,)
-        ) as cur:
-            rows = [(str(r), str(v), str(u), int(e), float(a)) async for r, v, u, e, a in cur]
+        rows = await ex.ledger.reserved_since(ADDRESS_KIND)
         now = self.clock()
         for ip, vm_id, uid, epoch, at in rows:
             if ex.ledger.vm(vm_id) is not None or ex.locks.busy(vm_id) or now - at < self.grace_s:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,46 @@ async def test_ledger_survives_reopen(tmp_path: Path) -> None:
         assert await again.result("c1") == res
         tomb = again.tombstone("vm-d")
         assert tomb is not None and tomb.reason == "removed"
+    finally:
+        await again.close()
+
+
+async def test_a_write_whose_caller_is_cancelled_lands_in_the_file_and_the_mirror(tmp_path: Path) -> None:
+    """A transaction runs whole on the ledger's thread once asked for: cancelling the caller must not
+    leave the file committed and the mirror without the row (the agent would then not know a VM it
+    recorded)."""
+    path = str(tmp_path / "l.sqlite3")
+    ledger = Ledger(path)
+    await ledger.open()
+    f = fence(2)
+    write = asyncio.create_task(ledger.put_vm(VMRow(vm_id="vm-x", fence=f, state="creating", spec=Spec())))
+    await asyncio.sleep(0)  # the task ran to its wait on the ledger's thread
+    write.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await write
+    row = ledger.vm("vm-x")
+    assert row is not None and row.fence == f
+    await ledger.close()
+    again = Ledger(path)
+    await again.open()
+    try:
+        assert again.vm("vm-x") == row
+    finally:
+        await again.close()
+
+
+async def test_crossing_mark_raises_keep_the_higher_epoch_in_the_mirror_and_the_file(tmp_path: Path) -> None:
+    path = str(tmp_path / "l.sqlite3")
+    ledger = Ledger(path)
+    await ledger.open()
+    key = "pod/default/a"
+    await asyncio.gather(ledger.raise_key_mark(key, 5, "u5"), ledger.raise_key_mark(key, 3, "u3"))
+    assert (ledger.key_mark("pod/default/a"), ledger.key_mark_uid("pod/default/a")) == (5, "u5")
+    await ledger.close()
+    again = Ledger(path)
+    await again.open()
+    try:
+        assert (again.key_mark("pod/default/a"), again.key_mark_uid("pod/default/a")) == (5, "u5")
     finally:
         await again.close()
 

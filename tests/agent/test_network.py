@@ -79,9 +79,7 @@ def exists(path: str) -> bool:
 async def held(h: Host) -> dict[str, tuple[str, str, int]]:
     """The ledger's addresses (its in-memory mirror), checked against its file."""
     mirror = await h.ledger.held(ADDRESS_KIND)
-    async with h.ledger.db.execute("SELECT resource, vm_id, uid, epoch FROM reservations WHERE kind = ?",
-                                   (ADDRESS_KIND,)) as cur:
-        rows = {str(r): (str(v), str(u), int(e)) async for r, v, u, e in cur}
+    rows = {r: (v, u, e) for r, v, u, e, _ in await h.ledger.reserved_since(ADDRESS_KIND)}
     assert mirror == rows, "the address mirror drifted from the ledger file"
     return mirror
 

@@ -88,7 +88,7 @@ async def test_unwritable_ledger_backs_off_fails_and_takes_no_new_vm(
         assert isinstance(r0, CommandResult) and r0.outcome == "ok"
         assert await readyz(agent) == 200
 
-        await agent.ledger.db.execute("PRAGMA query_only = ON")  # every write now fails
+        await agent.ledger.run(lambda db: db.execute("PRAGMA query_only = ON"))  # every write now fails
         acks = Acks()
         await nc.subscribe("$JS.ACK.VMFENCE_CMD.>", cb=acks.on_msg)
         await nc.flush()
@@ -122,7 +122,7 @@ async def test_unwritable_ledger_backs_off_fails_and_takes_no_new_vm(
         assert agent.metrics.command_retries._value.get() == 2
 
         # the disk heals: the next heartbeat's probe notices without any command
-        await agent.ledger.db.execute("PRAGMA query_only = OFF")
+        await agent.ledger.run(lambda db: db.execute("PRAGMA query_only = OFF"))
         await agent.heartbeat()
         assert agent.ledger.writable and await readyz(agent) == 200
         hb = await beat(nc)
@@ -178,18 +178,17 @@ async def test_a_full_ledger_is_unwritable_until_it_has_room(tmp_path: Path) -> 
     ledger = Ledger(str(tmp_path / "ledger.sqlite3"))
     await ledger.open()
     try:
-        async with ledger.db.execute("PRAGMA page_count") as cur:
-            row = await cur.fetchone()
+        row = await ledger.run(lambda db: db.execute("PRAGMA page_count").fetchone())
         assert row is not None
-        await ledger.db.execute(f"PRAGMA max_page_count = {int(row[0])}")  # the disk is full now
+        await ledger.run(lambda db: db.execute(f"PRAGMA max_page_count = {int(row[0])}"))  # the disk is full now
         f = fence(1)
         big = CommandResult(fence=f, command_id="c-big", op="create", host=HOST, vm_id="v-1", outcome="failed",
                             error="x" * 200_000)
         with pytest.raises(sqlite3.OperationalError, match="full"):
             await ledger.record(big)
         assert not ledger.writable and ledger.write_error is not None and "full" in ledger.write_error
-        assert not ledger.db.in_transaction
-        await ledger.db.execute("PRAGMA max_page_count = 1073741823")  # room again
+        assert not await ledger.run(lambda db: db.in_transaction)
+        await ledger.run(lambda db: db.execute("PRAGMA max_page_count = 1073741823"))  # room again
         assert await ledger.probe_write() and ledger.writable
         await ledger.record(big)
         assert await ledger.result("c-big") == big

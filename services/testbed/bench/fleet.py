@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -267,12 +268,13 @@ class FleetBench:
             return []
         os.makedirs(self.profile_dir, exist_ok=True)
         spies = []
+        py_spy = os.path.join(os.path.dirname(sys.executable), "py-spy")  # installed beside the interpreter
         for name, pid in self.pids().items():
             if name in ("nats", "harness"):
                 continue
             out = os.path.join(self.profile_dir, f"{tag}-{name}.txt")
             spies.append(subprocess.Popen(
-                ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "200", "--nonblocking", "--gil",
+                [py_spy, "record", "--pid", str(pid), "--format", "raw", "--rate", "200", "--nonblocking", "--gil",
                  "--output", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             ))  # fmt: skip
         return spies
