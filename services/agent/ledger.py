@@ -164,6 +164,7 @@ class Ledger:
     _conn: sqlite3.Connection | None = field(default=None, init=False, repr=False)
     _pool: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
     _vms: dict[str, VMRow] = field(default_factory=dict, init=False, repr=False)
+    _by_key: dict[str, set[str]] = field(default_factory=dict, init=False, repr=False)  # key -> its vm ids
     _marks: dict[str, int] = field(default_factory=dict, init=False, repr=False)
     _mark_uids: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _removed: dict[str, Tombstone] = field(default_factory=dict, init=False, repr=False)
@@ -189,7 +190,7 @@ class Ledger:
         cols = [d[0] for d in cur.description]
         for raw in cur:
             row = _row_from_db(dict(zip(cols, raw, strict=True)))
-            self._vms[row.vm_id] = row
+            self._mirror_put(row)
         for vm_id, reason, key, uid, epoch, at in db.execute("SELECT vm_id, reason, key, uid, epoch, at FROM removed"):
             self._removed[vm_id] = Tombstone(vm_id, reason, Fence(key, uid, epoch), at)
         if "uid" not in _columns(db, "key_marks"):  # a ledger from before marks named their incarnation
@@ -309,6 +310,27 @@ class Ledger:
     def vms(self) -> list[VMRow]:
         return sorted(self._vms.values(), key=lambda r: r.vm_id)
 
+    def vms_of(self, key: str) -> list[VMRow]:
+        """The rows of one key's VMs, by vm id: a survey's cost is that key's VMs, not the host's."""
+        return sorted((self._vms[v] for v in self._by_key.get(key, ())), key=lambda r: r.vm_id)
+
+    def _mirror_put(self, row: VMRow) -> None:
+        old = self._vms.get(row.vm_id)
+        if old is not None and old.fence.key != row.fence.key:
+            self._mirror_drop(row.vm_id)
+        self._vms[row.vm_id] = row
+        self._by_key.setdefault(row.fence.key, set()).add(row.vm_id)
+
+    def _mirror_drop(self, vm_id: str) -> None:
+        row = self._vms.pop(vm_id, None)
+        if row is None:
+            return
+        ids = self._by_key.get(row.fence.key)
+        if ids is not None:
+            ids.discard(vm_id)
+            if not ids:
+                del self._by_key[row.fence.key]
+
     def owner(self, vm_id: str) -> Fence | None:
         row = self._vms.get(vm_id)
         return row.fence if row is not None else None
@@ -365,7 +387,7 @@ class Ledger:
         row = replace(row, created_at=row.created_at or now, updated_at=now)
 
         def mirror(_: None) -> None:
-            self._vms[row.vm_id] = row
+            self._mirror_put(row)
 
         await self._write(lambda db: _upsert(db, row), mirror)
         return row
@@ -382,7 +404,7 @@ class Ledger:
             db.execute("DELETE FROM vms WHERE vm_id = ?", (vm_id,))
 
         def mirror(_: None) -> None:
-            self._vms.pop(vm_id, None)
+            self._mirror_drop(vm_id)
 
         await self._write(body, mirror)
 
@@ -434,7 +456,7 @@ class Ledger:
 
         def mirror(_done: None) -> None:
             if put is not None:
-                self._vms[put.vm_id] = put
+                self._mirror_put(put)
                 for kind, resource, _secret in claims:
                     if kind == ADDRESS_KIND and resource not in self._ips:
                         self._ips[resource] = (put.vm_id, put.fence.uid, put.fence.epoch)
@@ -443,7 +465,7 @@ class Ledger:
                     if vid == result.vm_id:
                         self._ips[ip] = (vid, transfer_to.uid, transfer_to.epoch)
             if bury is not None:
-                self._vms.pop(result.vm_id, None)
+                self._mirror_drop(result.vm_id)
                 self._removed[result.vm_id] = Tombstone(result.vm_id, bury[0], bury[1], now)
                 self._forget_ips(result.vm_id, bury[0], bury[1])
 
@@ -454,7 +476,7 @@ class Ledger:
         now = time.time()
 
         def mirror(_: None) -> None:
-            self._vms.pop(vm_id, None)
+            self._mirror_drop(vm_id)
             self._removed[vm_id] = Tombstone(vm_id, reason, owner, now)
             self._forget_ips(vm_id, reason, owner)
 

@@ -9,7 +9,7 @@ import pytest
 
 from services.agent.ledger import Ledger, ReservationConflict, VMRow
 from shared.fence.agentfence import fence_verdict
-from shared.fence.schema import CommandResult, Spec
+from shared.fence.schema import CommandResult, Fence, Spec
 
 from .conftest import fence
 
@@ -99,6 +99,36 @@ async def test_crossing_mark_raises_keep_the_higher_epoch_in_the_mirror_and_the_
     await again.open()
     try:
         assert (again.key_mark("pod/default/a"), again.key_mark_uid("pod/default/a")) == (5, "u5")
+    finally:
+        await again.close()
+
+
+async def test_the_rows_of_one_key_follow_every_write_and_a_reopen(tmp_path: Path) -> None:
+    """``vms_of`` (a survey's ledger half) is an index beside the mirror: it must see what ``vms``
+    sees, after puts, records, burials, forgets and a reopen."""
+    path = str(tmp_path / "l.sqlite3")
+    ledger = Ledger(path)
+    await ledger.open()
+    a, b = fence(1), Fence("pod/default/b", "ub", 1)
+
+    def by_key(led: Ledger, key: str) -> list[VMRow]:
+        assert led.vms_of(key) == [r for r in led.vms() if r.fence.key == key]
+        return led.vms_of(key)
+
+    await ledger.put_vm(VMRow(vm_id="a-2", fence=a, state="creating", spec=Spec()))
+    await ledger.put_vm(VMRow(vm_id="a-1", fence=a, state="creating", spec=Spec()))
+    await ledger.record(CommandResult(fence=b, command_id="cb", op="create", host="h", vm_id="b-1", outcome="ok"),
+                        put=VMRow(vm_id="b-1", fence=b, state="running", spec=Spec()))
+    assert [r.vm_id for r in by_key(ledger, a.key)] == ["a-1", "a-2"]
+    await ledger.record(CommandResult(fence=a, command_id="ca", op="remove", host="h", vm_id="a-2", outcome="ok"),
+                        bury=("removed", a))
+    await ledger.forget_vm("b-1")
+    assert [r.vm_id for r in by_key(ledger, a.key)] == ["a-1"] and by_key(ledger, b.key) == []
+    await ledger.close()
+    again = Ledger(path)
+    await again.open()
+    try:
+        assert [r.vm_id for r in by_key(again, a.key)] == ["a-1"] and by_key(again, b.key) == []
     finally:
         await again.close()
 

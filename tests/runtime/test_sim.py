@@ -217,3 +217,16 @@ async def test_the_host_record_is_a_journal_that_reloads_whole_and_survives_a_to
 def _append(path: Path, data: bytes) -> None:
     with open(path, "ab") as f:
         f.write(data)
+
+
+async def test_list_labelled_is_the_filtered_list(tmp_path: Path) -> None:
+    """A survey's question: the VMs of one key, in the order and shape ``list`` gives them."""
+    d = SimDriver(seed=3)
+    for i, key in enumerate(["ns/a", "ns/b", "ns/a", "ns/c", "ns/a"]):
+        await d.create(VMSpec(vm_id=f"vm-{4 - i}", labels={**LABELS, "vmfence.io/key": key}))
+    everything = await d.list()
+    for key in ("ns/a", "ns/b", "ns/none"):
+        assert await d.list_labelled("vmfence.io/key", key) == [
+            i for i in everything if i.labels["vmfence.io/key"] == key]
+    assert [i.vm_id for i in await d.list_labelled("vmfence.io/key", "ns/a")] == ["vm-0", "vm-2", "vm-4"]
+    await d.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.agent.labels import labels_fence
+from services.agent.labels import LABEL_KEY, labels_fence
 from services.agent.ops.base import Answer, Step
 from shared.fence.schema import Inventoried
 
@@ -35,10 +35,8 @@ class Survey(Step):
 
     async def run(self, ex: Executor, cmd: Command, row: VMRow | None) -> CommandResult:
         key = cmd.fence.key
-        found = {
-            r.vm_id: Inventoried(r.fence, ex.host, r.vm_id, r.state) for r in ex.ledger.vms() if r.fence.key == key
-        }
-        for info in await ex.effect("list", ex.driver.list(), failure="inconclusive"):
+        found = {r.vm_id: Inventoried(r.fence, ex.host, r.vm_id, r.state) for r in ex.ledger.vms_of(key)}
+        for info in await ex.effect("list", ex.driver.list_labelled(LABEL_KEY, key), failure="inconclusive"):
             owner = labels_fence(info.labels)
             if info.vm_id not in found and owner is not None and owner.key == key:
                 found[info.vm_id] = Inventoried(owner, ex.host, info.vm_id, info.state)

@@ -114,6 +114,11 @@ class RuntimeDriver(Protocol):
     async def inspect(self, vm_id: str) -> VMInfo | None:
         """None = the runtime does not know it; raises Inconclusive if unsure."""
 
+    async def list_labelled(self, name: str, value: str) -> list[VMInfo]:
+        """The VMs whose label ``name`` is ``value`` (a survey asks for one key's), sorted by vm id,
+        at a cost per such VM where the runtime can, not per VM of the host. It need not notice
+        other VMs' departures (``list`` and the inventory do)."""
+
     async def list(self) -> list[VMInfo]: ...
 
     async def snapshot(self, vm_id: str, dest: str) -> SnapshotInfo:

@@ -508,6 +508,15 @@ class SimDriver:
         self._know(vm_id)
         return self._info(vm)
 
+    async def list_labelled(self, name: str, value: str) -> list[VMInfo]:
+        await self._enter("list", None)
+        self._record("list", None, None, "ok")
+        mine = sorted((v for v in self._host.vms.values() if v.spec.labels.get(name) == value),
+                      key=lambda v: v.spec.vm_id)
+        for v in mine:
+            self._know(v.spec.vm_id)
+        return [self._info(v) for v in mine]
+
     async def list(self) -> list[VMInfo]:
         await self._enter("list", None)
         await self.reconcile()

@@ -385,13 +385,17 @@ class QemuDriver:
                         vm.state = state
         return self._info(vm)
 
-    async def list(self) -> list[VMInfo]:
-        await self.reconcile()
-        return [self._info(vm) for _, vm in sorted(self._vms.items())]
+    async def list_labelled(self, name: str, value: str) -> list[VMInfo]:
+        """A host runs tens of QEMU VMs: the whole scan (which also refreshes their states), filtered."""
+        return [info for info in await self.list() if info.labels.get(name) == value]
 
     # ------------------------------------------------------------------ operations
     def _create_lock(self, vm_id: str) -> asyncio.Lock:
         return self._create_locks.setdefault(vm_id, asyncio.Lock())
+
+    async def list(self) -> list[VMInfo]:
+        await self.reconcile()
+        return [self._info(vm) for _, vm in sorted(self._vms.items())]
 
     async def create(self, spec: VMSpec) -> VMInfo:
         check_spec(spec)
