@@ -3,14 +3,19 @@
 Strategic merge patch is approximated as a JSON merge patch in which the few lists vmfence
 writes (``conditions``, container statuses, containers) are merged by their key field instead
 of replaced, and ``$patch: delete`` / ``$retainKeys`` directives are ignored.
+
+The two merge patches modify neither input and copy only the dicts and keyed lists along the
+patch's paths: their result shares every other subtree with the target or the patch, so a caller
+that goes on to mutate the result deep-copies it first (the store does, in ``Store._write``).
+A JSON patch edits a deep copy of the target in place.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from .errors import ApiError
+from .jsontree import deep_copy
 
 MERGE_KEYS: dict[str, str] = {
     "conditions": "type",
@@ -33,8 +38,8 @@ MERGE_KEYS: dict[str, str] = {
 def merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386 JSON merge patch."""
     if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    result = copy.deepcopy(target) if isinstance(target, dict) else {}
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
     for key, value in patch.items():
         if value is None:
             result.pop(key, None)
@@ -44,11 +49,11 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 
 def _merge_list(key_field: str, target: list[Any], patch: list[Any]) -> list[Any]:
-    out = copy.deepcopy(target)
+    out = list(target)  # its items are replaced below, never modified
     index = {item.get(key_field): i for i, item in enumerate(out) if isinstance(item, dict)}
     for item in patch:
         if not isinstance(item, dict) or key_field not in item:
-            return copy.deepcopy(patch)  # not a keyed list after all: replace, like a merge patch
+            return patch  # not a keyed list after all: replace, like a merge patch
         if item.get("$patch") == "delete":
             if item[key_field] in index:
                 out[index[item[key_field]]] = None
@@ -65,8 +70,8 @@ def _merge_list(key_field: str, target: list[Any], patch: list[Any]) -> list[Any
 def strategic_merge_patch(target: Any, patch: Any) -> Any:
     """Merge patch plus keyed-list merging for the fields in :data:`MERGE_KEYS`."""
     if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    result = copy.deepcopy(target) if isinstance(target, dict) else {}
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
     for key, value in patch.items():
         if key.startswith("$"):
             continue
@@ -159,21 +164,21 @@ def json_patch(target: dict[str, Any], ops: Any) -> dict[str, Any]:
             "json-patch unless told otherwise: pass _content_type='application/merge-patch+json')",
             "BadRequest",
         )
-    doc = copy.deepcopy(target)
+    doc = deep_copy(target)
     for op in ops:
         if not isinstance(op, dict) or "op" not in op or "path" not in op:
             raise ApiError(400, f"invalid json patch operation: {op!r}", "BadRequest")
         kind, path = op["op"], op["path"]
         if kind == "add":
-            _add(doc, path, copy.deepcopy(op.get("value")))
+            _add(doc, path, deep_copy(op.get("value")))
         elif kind == "remove":
             _remove(doc, path)
         elif kind == "replace":
-            _add(doc, path, copy.deepcopy(op.get("value")), replace=True)
+            _add(doc, path, deep_copy(op.get("value")), replace=True)
         elif kind == "move":
             _add(doc, path, _remove(doc, op["from"]))
         elif kind == "copy":
-            _add(doc, path, copy.deepcopy(_get(doc, op["from"])))
+            _add(doc, path, deep_copy(_get(doc, op["from"])))
         elif kind == "test":
             if _get(doc, path) != op.get("value"):
                 raise ApiError(422, f"testing value {path} failed", "Invalid")

@@ -7,12 +7,13 @@ makes its resource servable, as on a real server.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from .jsontree import deep_copy
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "deploy" / "crds" / "virtualmachines.vmfence.io.yaml"
 ALL_VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
@@ -192,7 +193,7 @@ def load_vm_crd(path: Path = CRD_PATH) -> dict[str, Any]:
             return doc
     except OSError:
         pass
-    return copy.deepcopy(_EMBEDDED_CRD)
+    return deep_copy(_EMBEDDED_CRD)
 
 
 def crd_resource_types(crd: dict[str, Any]) -> list[ResourceType]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import sqlite3
@@ -30,7 +29,7 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from . import openapi, tables
+from . import jsontree, openapi, tables
 from .errors import ApiError
 from .faults import Faults
 from .podlogs import KubeletClient, PodLogs
@@ -70,7 +69,7 @@ class ApiServerConfig:
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(
-        body=json.dumps(data, separators=(",", ":")).encode(),
+        body=jsontree.encode(data),
         status=status,
         content_type="application/json",
         headers=headers,
@@ -296,9 +295,10 @@ class _Handlers:
             return None
         try:
             if ctype in ("application/yaml", "application/apply-patch+yaml"):
-                return yaml.safe_load(raw)
-            return json.loads(raw)
-        except (ValueError, yaml.YAMLError) as exc:
+                return jsontree.from_yaml_value(yaml.safe_load(raw))
+            return jsontree.decode(raw)
+        except (ValueError, TypeError, RecursionError, yaml.YAMLError) as exc:
+            # msgspec.DecodeError is a ValueError; too deep a nesting is a RecursionError
             raise ApiError(400, f"invalid request body: {exc}", "BadRequest") from exc
 
     async def _do_get(self, request: web.Request, t: _Target) -> tuple[int, Any]:
@@ -504,7 +504,7 @@ class _Handlers:
 
 
 def _line(event: dict[str, Any]) -> bytes:
-    return json.dumps(event, separators=(",", ":")).encode() + b"\n"
+    return jsontree.encode(event) + b"\n"
 
 
 @web.middleware

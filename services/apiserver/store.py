@@ -6,13 +6,13 @@ what watches and ``resourceVersion=0`` reads are served from. With the stale-rea
 cache applies events late, which is exactly the staleness a real API server may show.
 
 Stored objects are never mutated in place: every write stores a fresh dict, so events, cache
-entries and responses can share references safely.
+entries and responses can share references safely (reads hand out the stored objects, uncopied).
+A write keeps no reference into the caller's body: what it keeps of it, it deep-copies.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import random
 import re
@@ -28,6 +28,7 @@ from typing import Any
 from . import podstatus, schema
 from .errors import STALE_DETAIL, ApiError, already_exists, conflict, not_found
 from .faults import Faults
+from .jsontree import decode, deep_copy, encode
 from .patch import json_patch, merge_patch, strategic_merge_patch
 from .resources import Registry, ResourceType, crd_resource_types, load_vm_crd
 
@@ -242,7 +243,11 @@ class SqlitePersistence:
         rv = int(row[0]) if row else 0
         objects: dict[str, dict[ObjKey, Obj]] = {}
         for res, ns, name, body in self.conn.execute("SELECT res, ns, name, body FROM objects"):
-            objects.setdefault(res, {})[(ns, name)] = json.loads(body)
+            try:
+                obj = decode(body)
+            except ValueError:  # written before bodies were decoded strictly (NaN, a lone surrogate)
+                obj = json.loads(body)
+            objects.setdefault(res, {})[(ns, name)] = obj
         return rv, objects
 
     def write(self, res: str, key: ObjKey, obj: Obj | None, rv: int) -> None:
@@ -250,7 +255,7 @@ class SqlitePersistence:
             self.conn.execute("DELETE FROM objects WHERE res=? AND ns=? AND name=?", (res, *key))
         else:
             self.conn.execute(
-                "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?)", (res, *key, json.dumps(obj))
+                "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?)", (res, *key, encode(obj).decode())
             )
         self.conn.execute("INSERT OR REPLACE INTO meta VALUES ('rv', ?)", (str(rv),))
         self.conn.commit()
@@ -372,7 +377,7 @@ class Store:
     def create(self, rt: ResourceType, namespace: str | None, body: Any) -> Obj:
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object", "BadRequest")
-        obj: Obj = copy.deepcopy(body)
+        obj: Obj = deep_copy(body)
         if obj.get("kind") not in (None, "", rt.kind):
             raise ApiError(
                 400, f"the kind {obj.get('kind')!r} does not match the URL ({rt.kind})", "BadRequest"
@@ -554,9 +559,11 @@ class Store:
         """Shared tail of update and patch: keep server-owned fields, bump generation, commit."""
         cm = meta(cur)
         if subresource == "status":
-            new = copy.deepcopy(cur)
+            # only new's top level and metadata are written below (podstatus.validate only reads), so the
+            # rest may be shared with cur, which is stored and so never mutated
+            new = {**cur, "metadata": dict(cm)}
             if "status" in body:
-                new["status"] = copy.deepcopy(body["status"])
+                new["status"] = deep_copy(body["status"])
             else:
                 new.pop("status", None)
             if rt.kind == "Pod" and rt.group == "":
@@ -564,7 +571,7 @@ class Store:
         elif subresource is not None:
             raise ApiError(405, f"subresource {subresource!r} does not support this verb", "MethodNotAllowed")
         else:
-            new = copy.deepcopy(body)
+            new = deep_copy(body)
             new["apiVersion"], new["kind"] = cur["apiVersion"], cur["kind"]
             nm = new.setdefault("metadata", {})
             for k in (
@@ -582,7 +589,7 @@ class Store:
                     nm.pop(k, None)
             if rt.status_subresource or (rt.kind == "Pod" and rt.group == ""):
                 if "status" in cur:
-                    new["status"] = copy.deepcopy(cur["status"])
+                    new["status"] = deep_copy(cur["status"])
                 else:
                     new.pop("status", None)
             if _without(new, "metadata", "status", "apiVersion", "kind") != _without(
@@ -654,7 +661,7 @@ class Store:
         bound = (cur.get("spec") or {}).get("nodeName")
         if bound:
             raise conflict("pods/binding", name, f"pod {name} is already assigned to node {bound!r}".replace("'", '"'))
-        new = copy.deepcopy(cur)
+        new = deep_copy(cur)
         new.setdefault("spec", {})["nodeName"] = node
         ann = m.get("annotations")
         if isinstance(ann, dict) and ann:
@@ -697,7 +704,7 @@ class Store:
             if rt.kind == "Namespace":
                 self._purge_namespace(name)
             return self._commit(rt, "DELETED", cur, cur)
-        new = copy.deepcopy(cur)
+        new = {**cur, "metadata": dict(cm)}  # only metadata is written below
         nm = new["metadata"]
         nm["deletionTimestamp"] = now_rfc3339(grace)
         nm["deletionGracePeriodSeconds"] = grace
