@@ -120,7 +120,7 @@ class Executor:
                 # places it elsewhere); nothing is recorded, a redelivery asks again
                 why = f"not taking new VMs: the agent's ledger cannot be written ({self.ledger.write_error})"
                 log.warning("command %s: failed (%s)", cmd.op, why, extra=cmd_fields(cmd, outcome="failed"))
-                return self._result(cmd, "failed", error=why), False
+                return self.result(cmd, "failed", error=why), False
             try:
                 self._check_mark(cmd)
                 if raises_mark(cmd.op):
@@ -143,7 +143,7 @@ class Executor:
         """The command cannot be executed (its retries are spent, or its error will not heal): a
         ``failed`` result with the reason, for the reconciler to decide on. Stored by command id when
         the ledger takes it (a redelivery then gets the same answer); published regardless."""
-        result = self._result(cmd, "failed", error=error)
+        result = self.result(cmd, "failed", error=error)
         async with self.locks.hold(cmd.vm_id):
             try:
                 await self.ledger.record(result)
@@ -175,9 +175,11 @@ class Executor:
             raise Answer("not_found", f"no VM {cmd.vm_id} on {self.host}")
         return row
 
-    def _result(self, cmd: Command, outcome: ResultOutcome, *, error: str | None = None,
+    def result(self, cmd: Command, outcome: ResultOutcome, *, error: str | None = None,
                info: VMInfo | None = None, snapshot: str | None = None,
                found: list[Inventoried] | None = None) -> CommandResult:
+        """The command's answer, not stored (``record`` stores it): for a step whose redelivery is
+        answered afresh (``Step.replay`` False)."""
         vnc_port = None
         if info is not None and info.vnc_display is not None:
             vnc_port = DisplayPool.BASE_PORT + info.vnc_display
@@ -196,7 +198,7 @@ class Executor:
                      bury: tuple[str, Fence] | None = None, claim: Iterable[Claim] = (),
                      transfer_to: Fence | None = None) -> CommandResult:
         """Store the command's result by its id together with its ledger change, atomically."""
-        result = self._result(cmd, outcome, error=error, info=info, snapshot=snapshot, found=found)
+        result = self.result(cmd, outcome, error=error, info=info, snapshot=snapshot, found=found)
         await self.ledger.record(result, put=put, bury=bury, claim=claim, transfer_to=transfer_to)
         return result
 

@@ -85,6 +85,27 @@ async def test_an_epoch_surveyed_for_no_incarnation_lets_nothing_run_at_it(tmp_p
         await ledger.close()
 
 
+async def test_a_surveys_mark_is_durable_before_its_answer_and_the_answer_is_not_stored(tmp_path: Path) -> None:
+    """What a survey promises (no command of the key at or below its fence makes a VM here) must
+    survive the agent's restart; its answer is never read back (a redelivery is answered afresh), so
+    it costs no write of its own."""
+    ex, ledger, driver = await _executor(tmp_path)
+    try:
+        surveyed, _ = await ex.execute(Command("c-s", "survey", Fence(KEY, "u4", 4), "h1", SURVEY_VM_ID, Spec()))
+        assert surveyed.outcome == "ok" and await ledger.result("c-s") is None
+    finally:
+        await driver.close()
+        await ledger.close()
+    ex, ledger, driver = await _executor(tmp_path)
+    try:
+        assert (ledger.key_mark(KEY), ledger.key_mark_uid(KEY)) == (4, "u4")
+        late, _ = await ex.execute(Command("c-late", "create", Fence(KEY, "u3", 3), "h1", "web-1-u3-1", Spec()))
+        assert late.outcome == "fenced"
+    finally:
+        await driver.close()
+        await ledger.close()
+
+
 async def test_a_ledger_from_before_marks_named_their_uid_opens_with_unknown_uids(tmp_path: Path) -> None:
     path = tmp_path / "ledger.sqlite3"
     db = sqlite3.connect(path)

@@ -30,7 +30,9 @@ class Survey(Step):
     a reconciler rebuilding a lost log tail needs before it makes any VM."""
 
     # a question about now: a redelivered one is answered afresh (it changes no VM), never from
-    # the ledger — a stored answer may predate a VM a lost log tail made
+    # the ledger — a stored answer may predate a VM a lost log tail made. So its answer is not
+    # stored either (nothing would read it: a write with an fsync per survey, two per new pod); what
+    # must be durable before it is sent, the key's raised mark, the executor wrote before run()
     replay = False
 
     async def run(self, ex: Executor, cmd: Command, row: VMRow | None) -> CommandResult:
@@ -40,4 +42,4 @@ class Survey(Step):
             owner = labels_fence(info.labels)
             if info.vm_id not in found and owner is not None and owner.key == key:
                 found[info.vm_id] = Inventoried(owner, ex.host, info.vm_id, info.state)
-        return await ex.record(cmd, "ok", found=sorted(found.values(), key=lambda i: i.vm_id))
+        return ex.result(cmd, "ok", found=sorted(found.values(), key=lambda i: i.vm_id))
