@@ -214,8 +214,7 @@ class Ledger:
 
     async def raise_key_mark(self, key: str, epoch: int, uid: str = "") -> None:
         """Raise the key's mark to ``epoch`` of ``uid``; at the same epoch only fill in an unknown uid."""
-        old, old_uid = self._marks.get(key, 0), self._mark_uids.get(key, "")
-        if epoch < old or (epoch == old and (old_uid or not uid)):
+        if not _mark_rises(self._marks.get(key, 0), self._mark_uids.get(key, ""), epoch, uid):
             return
 
         def body(db: sqlite3.Connection) -> None:
@@ -227,8 +226,7 @@ class Ledger:
             )
 
         def mirror(_: None) -> None:  # what the statement's WHERE kept, should two raises cross
-            now_at, now_uid = self._marks.get(key, 0), self._mark_uids.get(key, "")
-            if epoch > now_at or (epoch == now_at and not now_uid):
+            if _mark_rises(self._marks.get(key, 0), self._mark_uids.get(key, ""), epoch, uid):
                 self._marks[key], self._mark_uids[key] = epoch, uid
 
         await self._write(body, mirror)
@@ -557,6 +555,12 @@ def _private(path: str) -> None:
     for p in (path, f"{path}-wal", f"{path}-shm"):
         with contextlib.suppress(FileNotFoundError):
             os.chmod(p, LEDGER_MODE)
+
+
+def _mark_rises(old: int, old_uid: str, epoch: int, uid: str) -> bool:
+    """A key's mark only rises; at its own epoch it only fills in an unknown uid (the statement in
+    ``raise_key_mark`` says the same to the file)."""
+    return epoch > old or (epoch == old and not old_uid and bool(uid))
 
 
 def _connect(path: str) -> sqlite3.Connection:
