@@ -29,6 +29,7 @@ from services.reconciler.snapshot import SnapshotStore
 from shared.bus.append import LostRace, fenced_append
 from shared.bus.deadletter import dead_letter
 from shared.bus.read import last_on_subject, read_stream, read_subject
+from shared.bus.wire import H_MSG_ID
 from shared.fence.decide import DecideEnv, decide, rebuild
 from shared.fence.keys import Key
 from shared.fence.schema import (
@@ -413,18 +414,27 @@ class Partition:
         async def on_msg(msg: Msg) -> None:
             queue.put_nowait(msg)
 
+        # headers only: an entry's Msg-Id names its writer, so our own appends (nearly all of the
+        # tail) are passed over without their bodies crossing the wire or being decoded
         cfg = api.ConsumerConfig(
             deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start,
-            ack_policy=api.AckPolicy.NONE, mem_storage=True, inactive_threshold=30.0,
+            ack_policy=api.AckPolicy.NONE, mem_storage=True, inactive_threshold=30.0, headers_only=True,
         )
         sub = await self.js.subscribe(self.subjects.log_partition(self.p), stream=self.subjects.stream_log,
                                       cb=on_msg, ordered_consumer=True, config=cfg)
+        own = f"@{self.writer}:"
         try:
             while self.held:
                 msg = await queue.get()
+                if own in (msg.headers or {}).get(H_MSG_ID, ""):
+                    continue
                 seq = msg.metadata.sequence.stream
                 try:
-                    entry = self._entry(seq, msg.subject, msg.data)
+                    stored = await self.js.get_msg(self.subjects.stream_log, seq)
+                except nats.js.errors.NotFoundError:
+                    continue  # gone since (a cut tail): the key's next append finds out
+                try:
+                    entry = self._entry(seq, msg.subject, stored.data or b"")
                 except Undecodable as bad:
                     if bad.key not in self.quarantined:
                         await self._quarantine_locked(bad)
