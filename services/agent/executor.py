@@ -133,7 +133,12 @@ class Executor:
                 result = await step.run(self, cmd, row)
             except Answer as a:
                 result = await self.answer(cmd, a.outcome, a.error)
-            level = logging.INFO if result.outcome in ("ok", "not_found") else logging.WARNING
+            if result.outcome not in ("ok", "not_found"):
+                level = logging.WARNING
+            elif step.quiet and result.outcome == "ok" and not result.found:
+                level = logging.DEBUG
+            else:
+                level = logging.INFO
             log.log(level, "command %s: %s%s", cmd.op, result.outcome,
                     f" ({result.error})" if result.error else "",
                     extra=cmd_fields(cmd, outcome=result.outcome))

@@ -37,6 +37,9 @@ class Step(ABC):
 
     # a redelivery is answered with the stored result (rule 11); a survey is a question about now
     replay: ClassVar[bool] = True
+    # an ok answer that found nothing is logged at DEBUG: a survey is two lines per new pod (one per
+    # host) that say nothing the log stream does not (what it found, or a failure, stays at INFO+)
+    quiet: ClassVar[bool] = False
 
     @abstractmethod
     async def run(self, ex: Executor, cmd: Command, row: VMRow | None) -> CommandResult:

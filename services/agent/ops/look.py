@@ -34,6 +34,7 @@ class Survey(Step):
     # stored either (nothing would read it: a write with an fsync per survey, two per new pod); what
     # must be durable before it is sent, the key's raised mark, the executor wrote before run()
     replay = False
+    quiet = True
 
     async def run(self, ex: Executor, cmd: Command, row: VMRow | None) -> CommandResult:
         key = cmd.fence.key
