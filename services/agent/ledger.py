@@ -14,8 +14,8 @@ through, so probes and event handlers can check ownership cheaply right before t
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import functools
 import logging
 import os
 import sqlite3
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 
@@ -157,12 +157,16 @@ class Ledger:
 
     The connection lives on one thread of its own, and each transaction (or read) runs there whole,
     as one function: one thread hop per write instead of one per statement (aiosqlite's shape, which
-    made the hops a fifth of the agent's CPU). A write, once started, is not cancelled: the thread
+    made the hops a fifth of the agent's CPU). Writes asked for while the thread is busy are
+    committed together (group commit: one fsync for all of them, each still all-or-nothing and
+    answered only once it is durable). A write, once asked for, is not cancelled: the thread
     finishes it and the mirror follows what it committed."""
 
     path: str
     _conn: sqlite3.Connection | None = field(default=None, init=False, repr=False)
     _pool: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
+    _queued: collections.deque[_Queued] = field(default_factory=collections.deque, init=False, repr=False)
+    commits: int = field(default=0, init=False)  # COMMITs that took (fewer than writes under load)
     _vms: dict[str, VMRow] = field(default_factory=dict, init=False, repr=False)
     _by_key: dict[str, set[str]] = field(default_factory=dict, init=False, repr=False)  # key -> its vm ids
     _marks: dict[str, int] = field(default_factory=dict, init=False, repr=False)
@@ -267,13 +271,47 @@ class Ledger:
             raise RuntimeError("ledger is not open")
         return asyncio.get_running_loop().run_in_executor(self._pool, fn, self._conn)
 
+    def _submit_write(self, body: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
+        """Queue ``body`` for the next group commit; its future settles once it is durable (or failed)."""
+        if self._conn is None or self._pool is None:
+            raise RuntimeError("ledger is not open")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+        self._queued.append(_Queued(body, done, loop))
+        self._pool.submit(self._drain, self._conn)  # an earlier drain may already have taken it
+        return done
+
+    def _drain(self, db: sqlite3.Connection) -> None:
+        """On the ledger's thread: every write queued so far, in one transaction when they all go
+        through, else each in its own (so one write's error never takes another's work with it)."""
+        batch: list[_Queued] = []
+        while self._queued:
+            batch.append(self._queued.popleft())
+        if not batch:
+            return
+        if len(batch) > 1:
+            settled = _group(db, [q.body for q in batch])
+            if settled is not None:
+                self.commits += 1
+                for q, (out, error) in zip(batch, settled, strict=True):
+                    q.settle(out, error)
+                return
+        for q in batch:
+            try:
+                out = _transaction(q.body, db)
+            except Exception as e:
+                q.settle(None, e)
+            else:
+                self.commits += 1
+                q.settle(out, None)
+
     async def _write(self, body: Callable[[sqlite3.Connection], T],
                      mirror: Callable[[T], None] | None = None) -> T:
         """``body`` as one atomic write transaction on the ledger's thread, then ``mirror`` of what
         it returned. Transactions never interleave (one thread runs them in turn, in the order they
         were asked for). A cancelled caller still waits for its write, so the mirror never misses a
         commit."""
-        work = self._submit(functools.partial(_transaction, body))
+        work = self._submit_write(body)
         try:
             out = await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -557,6 +595,27 @@ def _private(path: str) -> None:
             os.chmod(p, LEDGER_MODE)
 
 
+@dataclass(frozen=True, slots=True)
+class _Queued:
+    """A write waiting for the ledger's thread, and how to answer its caller's loop."""
+
+    body: Callable[[sqlite3.Connection], Any]
+    done: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+    def settle(self, out: object, error: BaseException | None) -> None:
+        self.loop.call_soon_threadsafe(_settle, self.done, out, error)
+
+
+def _settle(done: asyncio.Future[Any], out: object, error: BaseException | None) -> None:
+    if done.done():
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(out)
+
+
 def _mark_rises(old: int, old_uid: str, epoch: int, uid: str) -> bool:
     """A key's mark only rises; at its own epoch it only fills in an unknown uid (the statement in
     ``raise_key_mark`` says the same to the file)."""
@@ -584,6 +643,34 @@ def _transaction(body: Callable[[sqlite3.Connection], T], db: sqlite3.Connection
             with contextlib.suppress(Exception):
                 db.execute("ROLLBACK")
         raise
+    return out
+
+
+def _group(db: sqlite3.Connection, bodies: list[Callable[[sqlite3.Connection], Any]],
+           ) -> list[tuple[Any, BaseException | None]] | None:
+    """Several writes in one transaction, each inside its own savepoint: one that raises is rolled
+    back alone and answered with its error. None when the transaction itself failed (a write
+    failure, which SQLite may answer by rolling everything back, or a failed COMMIT): nothing of it
+    stays, and the caller runs each write alone."""
+    out: list[tuple[Any, BaseException | None]] = []
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        for body in bodies:
+            db.execute("SAVEPOINT one_write")
+            try:
+                out.append((body(db), None))
+            except Exception as e:
+                if is_write_failure(e) or not db.in_transaction:
+                    raise
+                db.execute("ROLLBACK TO one_write")
+                out.append((None, e))
+            db.execute("RELEASE one_write")
+        db.execute("COMMIT")
+    except Exception:
+        if db.in_transaction:
+            with contextlib.suppress(Exception):
+                db.execute("ROLLBACK")
+        return None
     return out
 
 

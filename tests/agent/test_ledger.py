@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,39 @@ async def test_the_rows_of_one_key_follow_every_write_and_a_reopen(tmp_path: Pat
     await again.open()
     try:
         assert [r.vm_id for r in by_key(again, a.key)] == ["a-1"] and by_key(again, b.key) == []
+    finally:
+        await again.close()
+
+
+async def test_writes_asked_for_together_commit_together_and_one_bad_write_fails_alone(tmp_path: Path) -> None:
+    """Group commit: writes queued while the ledger's thread is busy share one COMMIT (one fsync),
+    yet each is all-or-nothing: a write that raises (here a reservation its VM does not hold) gets
+    its own error and the others still land, in the file and the mirror."""
+    path = str(tmp_path / "l.sqlite3")
+    ledger = Ledger(path)
+    await ledger.open()
+    f = fence(1)
+    await ledger.reserve("vnc", "5901", "vm-0", f)
+    before = ledger.commits
+    gate = threading.Event()
+    busy = asyncio.ensure_future(ledger.run(lambda db: gate.wait(10)))  # the thread is in an fsync, say
+    writes = [asyncio.ensure_future(ledger.put_vm(VMRow(vm_id=f"vm-{i}", fence=f, state="creating", spec=Spec())))
+              for i in range(1, 40)]
+    bad = asyncio.ensure_future(ledger.release("vnc", "5901", "vm-other", f))
+    await asyncio.sleep(0)  # every write above has been queued behind the busy thread
+    gate.set()
+    assert await busy
+    out = await asyncio.gather(*writes, bad, return_exceptions=True)
+    assert isinstance(out[-1], ReservationConflict)
+    assert all(isinstance(r, VMRow) for r in out[:-1])
+    assert ledger.commits - before < len(writes), "no write shared a commit"
+    assert [r.vm_id for r in ledger.vms()] == sorted(f"vm-{i}" for i in range(1, 40))
+    await ledger.close()
+    again = Ledger(path)
+    await again.open()
+    try:
+        assert [r.vm_id for r in again.vms()] == sorted(f"vm-{i}" for i in range(1, 40))
+        assert await again.reservation_owner("vnc", "5901") == ("vm-0", f.uid, f.epoch)
     finally:
         await again.close()
 
