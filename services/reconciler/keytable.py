@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 from shared.fence.schema import Fence, PodStatusIntent, Spec
 from shared.fence.state import Incarnation, KeyState, VMRec, decode_state, encode_state
@@ -63,6 +64,9 @@ class KeySlot:
     last_seq: int = 0  # stream sequence of the key's last log entry (0: none)
     dirty: bool = False
     _lock: asyncio.Lock | None = None  # only while inputs of the key are in flight
+    # inputs waiting for the lock, each with the future its handler awaits: whoever takes the lock
+    # decides all of them into one entry (Partition._decide_waiting); None while none waits
+    waiting: list[Any] | None = None
     _packed: bytes | None = None  # pack_state of the state while the key is idle
 
     @property
@@ -106,7 +110,7 @@ class KeySlot:
         by the partition after an input is handled (the lock released) and before consuming."""
         lock = self._lock
         if lock is not None:
-            if lock.locked() or getattr(lock, "_waiters", None):
+            if lock.locked() or getattr(lock, "_waiters", None) or self.waiting:
                 return
             self._lock = None
         s = self._state

@@ -535,18 +535,14 @@ class Partition:
             return
         lacking = self.inventory.note(key, inp) if isinstance(inp, Inventoried) else []
         slot = self._slot(key)
-        async with slot.lock:
-            if not self.held:
-                return  # not acked: the partition's next owner gets it
-            if key in self.quarantined:  # while this input waited for the lock
-                done = False
-            else:
-                try:
-                    done = await self._process(slot, inp, msg)
-                except Undecodable as bad:
-                    await self._quarantine(bad)
-                    done = False
+        try:
+            done = await self._decide_waiting(slot, inp, msg)
+        except Undecodable as bad:
+            await self._quarantine(bad)
+            done = False
         slot.release_idle()
+        if not self.held:
+            return  # not acked: the partition's next owner gets it
         if key in self.quarantined:
             await self._dead_letter(msg, self._quarantined_reason(key))
             return
@@ -591,14 +587,11 @@ class Partition:
         if not self.held or key in self.quarantined:
             return False  # a quarantined key's outcome goes through the bus to its dead letters
         slot = self._slot(key)
-        async with slot.lock:
-            if not self.held or key in self.quarantined:
-                return False
-            try:
-                done = await self._process(slot, inp, None)
-            except Undecodable as bad:
-                await self._quarantine(bad)
-                return False
+        try:
+            done = await self._decide_waiting(slot, inp, None)
+        except Undecodable as bad:
+            await self._quarantine(bad)
+            done = False
         slot.release_idle()
         return done
 
@@ -620,6 +613,80 @@ class Partition:
         self.stats["dead_lettered"] += 1
         self.stats[f"dead_lettered:{reason.split(':')[0]}"] += 1
         await msg.ack()
+
+    async def _decide_waiting(self, slot: KeySlot, inp: Input, msg: Msg | None) -> bool:
+        """Decide ``inp`` under the key's lock, together with every input that waited for the lock
+        meanwhile: while one entry of a key is being appended, the key's next inputs queue, and
+        whoever takes the lock next decides all of them in order into one entry (a group commit of
+        the key's log: one append, one fold, the same decisions in the same order as one entry per
+        input would hold). True: decided (ack it); False: not (the key is not ours, or quarantined)."""
+        waiting = _Waiting(inp, msg, asyncio.get_running_loop().create_future())
+        if slot.waiting is None:
+            slot.waiting = []
+        slot.waiting.append(waiting)
+        async with slot.lock:
+            if not waiting.done.done():
+                batch, slot.waiting = slot.waiting, None
+                try:
+                    if not self.held or slot.state.key in self.quarantined:
+                        outcome = [False] * len(batch)
+                    elif len(batch) == 1:
+                        outcome = [await self._process(slot, inp, msg)]
+                    else:
+                        outcome = await self._process_together(slot, batch)
+                except BaseException:
+                    # this handler answers its own input; the others are decided again by whoever
+                    # takes the lock next (as a redelivery would be: decide drops what is done)
+                    rest = [w for w in batch if w is not waiting and not w.done.done()]
+                    if rest:
+                        slot.waiting = rest + (slot.waiting or [])
+                    raise
+                for w, ok in zip(batch, outcome, strict=True):
+                    if not w.done.done():
+                        w.done.set_result(ok)
+        return waiting.done.result()
+
+    async def _process_together(self, slot: KeySlot, batch: list[_Waiting]) -> list[bool]:
+        """Several inputs of one key as one entry (see ``_decide_waiting``). Anything unusual — a
+        batch that decides nothing, an entry too large, the partition lost — is handled one input
+        at a time by ``_process``, as if they had arrived apart."""
+        key = slot.state.key
+        for _ in range(MAX_RACE_RETRIES):
+            work, env = _copy_state(slot.state), self.env()
+            decisions: list[Decision] = []
+            kinds: list[str] = []
+            for w in batch:
+                ds = decide(work, w.inp, env)
+                if self.confirm is not None and len(ds) == 1 and isinstance(ds[0], ConfirmRequested):
+                    ds = await self._confirm_inline(work, ds)
+                fold_all(work, ds)
+                decisions.extend(ds)
+                kinds.append(_input_kind(w.inp) if ds else "")
+            if not decisions or not self.held:
+                break
+            try:
+                await self._append(slot, decisions, "; ".join(k for k in kinds if k)[:1000])
+            except EntryTooLarge:
+                break
+            except LostRace as race:
+                metrics.LOST_RACES.inc()
+                self.stats["lost_races"] += 1
+                log.info("lost append race; re-reading key", extra={"key": key, "partition": self.p})
+                full = race.actual_last_seq is None or race.actual_last_seq < slot.last_seq
+                known = _copy_state(slot.state)
+                if _lost(known, await self._reload(slot, full=full)):
+                    await self._rebuild(slot, known)
+                continue
+            for w, k in zip(batch, kinds, strict=True):
+                metrics.INPUTS.labels(_input_kind(w.inp), "decided" if k else "dropped").inc()
+                if not k:
+                    self.stats["dropped"] += 1
+            self.stats["entries"] += 1
+            self.stats["decisions"] += len(decisions)
+            self.stats["grouped"] += len(batch)
+            self._after_append(key, decisions)
+            return [True] * len(batch)
+        return [await self._process(slot, w.inp, w.msg) for w in batch]
 
     async def _process(self, slot: KeySlot, inp: Input, msg: Msg | None) -> bool:
         kind = _input_kind(inp)
@@ -779,6 +846,15 @@ def _lost(known: KeyState, floor: int | None) -> bool:
     """A re-read log (``floor`` from ``_reload``) lost entries this writer had folded, and no
     ``Rebuilt`` in it already accounts for every epoch the writer knew."""
     return floor is not None and known.n > 0 and floor < known.epoch
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """An input waiting for its key's lock (``KeySlot.waiting``), and its handler's answer."""
+
+    inp: Input
+    msg: Msg | None
+    done: asyncio.Future[bool]
 
 
 def _copy_state(state: KeyState) -> KeyState:

@@ -261,3 +261,32 @@ async def test_an_entry_a_previous_owner_appends_after_the_load_is_taken_over_wi
         for t in (run, effects):
             t.cancel()
         await asyncio.gather(run, effects, return_exceptions=True)
+
+
+async def test_inputs_that_wait_for_their_keys_lock_are_decided_into_one_entry(bus: Bus) -> None:
+    """The key's log as a group commit: inputs that queue while the key's entry is being appended
+    are decided, in order and each on the state the ones before it left, into the next entry. The
+    log then holds the same decisions in the same order as one entry each, numbered without a gap,
+    and the audit is clean; a lone input keeps its own entry."""
+    gateway = NullGateway()
+    key = Key("pod", "default", "grouped")
+    gateway.objects[str(key)] = ("uid-1", 1, BOUND)
+    part = _partition(bus, "writer", gateway)
+    assert await part.feed(str(key), Observed(str(key), "uid-1", 1, spec=BOUND))
+    slot = part.keys[str(key)]
+    n = slot.state.n
+    changes = [Observed(str(key), "uid-1", rv, spec=Spec(node="vmfence-host-a", cpus=rv)) for rv in (2, 3, 4)]
+    async with slot.lock:  # an append of the key in flight, say
+        jobs = [asyncio.ensure_future(part.feed(str(key), obs)) for obs in changes]
+        await wait_until(lambda: len(slot.waiting or []) == len(changes), "the inputs queued for the lock")
+    assert await asyncio.gather(*jobs) == [True, True, True]
+    assert slot.state.n == n + 1 and part.stats["grouped"] == len(changes)
+    entries = await log_entries(bus)
+    log = per_key(entries)[str(key)]
+    assert [e.n for e in log] == list(range(1, len(log) + 1))
+    grouped = log[-1]
+    specs = [d.spec.cpus for d in grouped.decisions if type(d).__name__ == "SpecChanged"]
+    assert specs == [2, 3, 4], grouped.decisions  # rv 2, 3, 4 in order, each decided after the last
+    assert slot.state.cur is not None and slot.state.cur.rv == 4
+    report = audit(entries, final=False)  # its create is still out: no agent runs here
+    assert report.clean, report.violations
