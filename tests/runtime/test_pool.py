@@ -5,6 +5,7 @@ import socket
 import pytest
 
 from services.agent.runtime import DisplayPool, ReservationError, RuntimeFailure, VMSpec, vnc_owner
+from services.agent.runtime.pool import _port_free
 
 
 def test_reserve_distinct_and_lowest_first() -> None:
@@ -57,3 +58,22 @@ def test_reserve_skips_displays_whose_port_is_taken() -> None:
 def test_vnc_owner_from_labels() -> None:
     spec = VMSpec(vm_id="p1", labels={"vmfence.io/uid": "u-9", "vmfence.io/epoch": "4"})
     assert vnc_owner(spec) == "p1/u-9/4"
+
+
+def test_a_port_a_closed_vnc_connection_left_in_time_wait_is_free_and_a_listening_one_is_not() -> None:
+    """A removed VM's display must be reusable at once, as QEMU (which binds with SO_REUSEADDR) can
+    use it: the server side that closes first keeps the port in TIME_WAIT for a minute. The full
+    suite lost a QEMU test to it: a display freed by a remove looked taken to the pool."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    assert not _port_free(port, "127.0.0.1")  # listening: taken
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    served.close()  # the server side closes first: it is the side left in TIME_WAIT
+    assert client.recv(1) == b""
+    client.close()
+    listener.close()
+    assert _port_free(port, "127.0.0.1")

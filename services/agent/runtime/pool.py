@@ -27,8 +27,12 @@ class ReservationError(RuntimeFailure):
 
 
 def _port_free(port: int, host: str = DEFAULT_VNC_LISTEN) -> bool:
+    """Could QEMU listen on ``port`` now? It binds with SO_REUSEADDR, so the check does too: a
+    closed VNC connection of a removed VM lingers in TIME_WAIT on its port for a minute, which would
+    otherwise make its display look taken; a socket listening there still does."""
     s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, port))
         return True
     except OSError:
