@@ -147,7 +147,9 @@ class AgentConfig(ServiceSettings):
     probe_interval: float = _seconds(2.0, "seconds between readiness probes per VM")
     probe_timeout: float = _seconds(5.0, "seconds one probe may take")
     max_concurrency: int = setting(16, "commands executing at once (across VMs)", lo=1)
-    ack_wait: float = _seconds(60.0, "seconds before an unacked command is redelivered")
+    # what a crashed agent's in-flight commands wait before its restart gets them again (a command
+    # still running tells the server so every third of it, so this bounds no op's length)
+    ack_wait: float = _seconds(15.0, "seconds before an unacked command is redelivered")
     max_ack_pending: int = setting(256, "unacked commands outstanding (at least --max-concurrency)", lo=1)
     fetch_timeout: float = _seconds(1.0, "seconds one fetch of commands waits")
     shutdown_timeout: float = _seconds(20.0, "seconds to finish in-flight commands on SIGTERM")
