@@ -669,13 +669,7 @@ class Partition:
             except EntryTooLarge:
                 break
             except LostRace as race:
-                metrics.LOST_RACES.inc()
-                self.stats["lost_races"] += 1
-                log.info("lost append race; re-reading key", extra={"key": key, "partition": self.p})
-                full = race.actual_last_seq is None or race.actual_last_seq < slot.last_seq
-                known = _copy_state(slot.state)
-                if _lost(known, await self._reload(slot, full=full)):
-                    await self._rebuild(slot, known)
+                await self._lost_race(slot, race)
                 continue
             for w, k in zip(batch, kinds, strict=True):
                 metrics.INPUTS.labels(_input_kind(w.inp), "decided" if k else "dropped").inc()
@@ -715,13 +709,7 @@ class Partition:
                 await self._dead_letter(msg, f"entry too large: {big}")
                 return False  # acked by the dead letter
             except LostRace as race:
-                metrics.LOST_RACES.inc()
-                self.stats["lost_races"] += 1
-                log.info("lost append race; re-reading key", extra={"key": key, "partition": self.p})
-                full = race.actual_last_seq is None or race.actual_last_seq < slot.last_seq
-                known = _copy_state(slot.state)
-                if _lost(known, await self._reload(slot, full=full)):
-                    await self._rebuild(slot, known)
+                await self._lost_race(slot, race)
                 continue
             metrics.INPUTS.labels(kind, "decided").inc()
             self.stats["entries"] += 1
@@ -730,6 +718,18 @@ class Partition:
             return True
         log.error("gave up after %d lost races", MAX_RACE_RETRIES, extra={"key": key})
         return False
+
+    async def _lost_race(self, slot: KeySlot, race: LostRace) -> None:
+        """Another writer appended to the key first: re-read it (the whole log if ours is no longer
+        a prefix of it) and rebuild when the re-read lost entries we had folded; the caller decides
+        again on what is there now."""
+        metrics.LOST_RACES.inc()
+        self.stats["lost_races"] += 1
+        log.info("lost append race; re-reading key", extra={"key": slot.state.key, "partition": self.p})
+        full = race.actual_last_seq is None or race.actual_last_seq < slot.last_seq
+        known = _copy_state(slot.state)
+        if _lost(known, await self._reload(slot, full=full)):
+            await self._rebuild(slot, known)
 
     async def _append(self, slot: KeySlot, decisions: list[Decision], kind: str) -> None:
         """One fenced append of the key's next entry, then fold it (LostRace: nothing changed).

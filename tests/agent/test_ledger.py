@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,18 @@ from shared.fence.agentfence import fence_verdict
 from shared.fence.schema import CommandResult, Fence, Spec
 
 from .conftest import fence
+
+
+@contextlib.asynccontextmanager
+async def reopened(ledger: Ledger) -> AsyncIterator[Ledger]:
+    """Close ``ledger`` and open its file again: what an agent's restart reads back."""
+    await ledger.close()
+    again = Ledger(ledger.path)
+    await again.open()
+    try:
+        yield again
+    finally:
+        await again.close()
 
 
 async def test_reservations_are_freed_only_by_their_owner(tmp_path: Path) -> None:
@@ -79,13 +93,8 @@ async def test_a_write_whose_caller_is_cancelled_lands_in_the_file_and_the_mirro
         await write
     row = ledger.vm("vm-x")
     assert row is not None and row.fence == f
-    await ledger.close()
-    again = Ledger(path)
-    await again.open()
-    try:
+    async with reopened(ledger) as again:
         assert again.vm("vm-x") == row
-    finally:
-        await again.close()
 
 
 async def test_crossing_mark_raises_keep_the_higher_epoch_in_the_mirror_and_the_file(tmp_path: Path) -> None:
@@ -94,14 +103,9 @@ async def test_crossing_mark_raises_keep_the_higher_epoch_in_the_mirror_and_the_
     await ledger.open()
     key = "pod/default/a"
     await asyncio.gather(ledger.raise_key_mark(key, 5, "u5"), ledger.raise_key_mark(key, 3, "u3"))
-    assert (ledger.key_mark("pod/default/a"), ledger.key_mark_uid("pod/default/a")) == (5, "u5")
-    await ledger.close()
-    again = Ledger(path)
-    await again.open()
-    try:
-        assert (again.key_mark("pod/default/a"), again.key_mark_uid("pod/default/a")) == (5, "u5")
-    finally:
-        await again.close()
+    assert (ledger.key_mark(key), ledger.key_mark_uid(key)) == (5, "u5")
+    async with reopened(ledger) as again:
+        assert (again.key_mark(key), again.key_mark_uid(key)) == (5, "u5")
 
 
 async def test_the_rows_of_one_key_follow_every_write_and_a_reopen(tmp_path: Path) -> None:
@@ -125,13 +129,8 @@ async def test_the_rows_of_one_key_follow_every_write_and_a_reopen(tmp_path: Pat
                         bury=("removed", a))
     await ledger.forget_vm("b-1")
     assert [r.vm_id for r in by_key(ledger, a.key)] == ["a-1"] and by_key(ledger, b.key) == []
-    await ledger.close()
-    again = Ledger(path)
-    await again.open()
-    try:
+    async with reopened(ledger) as again:
         assert [r.vm_id for r in by_key(again, a.key)] == ["a-1"] and by_key(again, b.key) == []
-    finally:
-        await again.close()
 
 
 async def test_writes_asked_for_together_commit_together_and_one_bad_write_fails_alone(tmp_path: Path) -> None:
@@ -157,14 +156,9 @@ async def test_writes_asked_for_together_commit_together_and_one_bad_write_fails
     assert all(isinstance(r, VMRow) for r in out[:-1])
     assert ledger.commits - before < len(writes), "no write shared a commit"
     assert [r.vm_id for r in ledger.vms()] == sorted(f"vm-{i}" for i in range(1, 40))
-    await ledger.close()
-    again = Ledger(path)
-    await again.open()
-    try:
+    async with reopened(ledger) as again:
         assert [r.vm_id for r in again.vms()] == sorted(f"vm-{i}" for i in range(1, 40))
         assert await again.reservation_owner("vnc", "5901") == ("vm-0", f.uid, f.epoch)
-    finally:
-        await again.close()
 
 
 def test_fence_verdicts() -> None:
