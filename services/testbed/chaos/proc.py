@@ -105,13 +105,14 @@ class Proc:
             return ""
 
 
-async def http_status(port: int, path: str) -> int:
+async def _http(port: int, request: bytes) -> int:
+    """One HTTP/1.0 exchange with 127.0.0.1:``port``: the answer's status (0: no answer)."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), HTTP_TIMEOUT_S)
     except (OSError, TimeoutError):
         return 0
     try:
-        writer.write(f"GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n".encode())
+        writer.write(request)
         await writer.drain()
         line = await asyncio.wait_for(reader.readline(), HTTP_TIMEOUT_S)
         parts = line.split()
@@ -120,27 +121,17 @@ async def http_status(port: int, path: str) -> int:
         return 0
     finally:
         writer.close()
+
+
+async def http_status(port: int, path: str) -> int:
+    return await _http(port, f"GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n".encode())
 
 
 async def http_post_json(port: int, path: str, body: dict[str, Any]) -> int:
     data = json.dumps(body).encode()
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), HTTP_TIMEOUT_S)
-    except (OSError, TimeoutError):
-        return 0
-    try:
-        writer.write(
-            f"POST {path} HTTP/1.0\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n".encode() + data
-        )
-        await writer.drain()
-        line = await asyncio.wait_for(reader.readline(), HTTP_TIMEOUT_S)
-        parts = line.split()
-        return int(parts[1]) if len(parts) >= 2 else 0
-    except (OSError, TimeoutError, ValueError):
-        return 0
-    finally:
-        writer.close()
+    head = (f"POST {path} HTTP/1.0\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n")
+    return await _http(port, head.encode() + data)
 
 
 def cli(*args: str) -> list[str]:
