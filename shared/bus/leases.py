@@ -68,6 +68,10 @@ class PartitionLease:
                 return rev
             except nats.js.errors.KeyWrongLastSequenceError:
                 pass
+            except nats.js.errors.KeyNotFoundError:
+                # the client's create re-reads a key it found taken; the bucket's max_age may expire
+                # it between that write and that read: the lease is free, so try create again
+                continue
             current = await self.holder()
             if current is None:
                 continue  # expired or deleted between create and get: try create again

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import nats.js.errors
 import pytest
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
@@ -119,3 +120,30 @@ async def test_renewal_keeps_lease_past_ttl(kv: KeyValue) -> None:
         await a.renew()
         assert await b.acquire() is None
     assert await a.release() is True
+
+
+class _ExpiresDuringCreate:
+    """A real bucket whose first create loses the race with the bucket's max_age: nats-py's create
+    found the key taken, re-read it, and the entry had expired meanwhile (KeyNotFoundError)."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self._kv = kv
+        self.raised = 0
+
+    async def create(self, key: str, value: bytes) -> int:
+        if not self.raised:
+            self.raised += 1
+            raise nats.js.errors.KeyNotFoundError
+        return await self._kv.create(key, value)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._kv, name)
+
+
+async def test_a_lease_that_expires_inside_create_is_taken_not_raised(kv: KeyValue) -> None:
+    racing = _ExpiresDuringCreate(kv)
+    lease = PartitionLease(racing, 11, "b")  # type: ignore[arg-type]
+    rev = await lease.acquire()
+    assert racing.raised == 1 and rev is not None and lease.revision == rev
+    holder = await lease.holder()
+    assert holder is not None and holder[0].owner == "b"
