@@ -161,6 +161,11 @@ class Reconciler:
             if self._gateway is None:
                 await gateway.close()
         finally:
+            # a run that ends any way at all (a crash, a cancelled task) holds nothing and judges
+            # nothing: the process's gauges must not keep reporting its last figures
+            self.drift_counts = None
+            for part in self.partitions.values():
+                part.held = False
             if self.health is not None:
                 await self.health.stop()
             if self.snapshots is not None:

@@ -6,6 +6,7 @@ says what it found, every kind, 0 when none."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 from prometheus_client import REGISTRY
@@ -112,3 +113,28 @@ async def test_a_drift_interval_of_zero_runs_no_check(tmp_path: Path) -> None:
     rec = Reconciler(cfg, gateway=NullGateway(), health=False)
     await asyncio.wait_for(rec._drift_loop(), 1.0)  # returns at once: no loop
     assert rec.drift_counts is None
+
+
+async def test_a_reconciler_whose_run_is_cancelled_reports_nothing(tmp_path: Path) -> None:
+    """A run that ends without its orderly stop (a crash, its task cancelled, as a failed test or an
+    exception in a sibling task does) must not leave the process's gauges on its last figures: the
+    partitions it held and its drift report go with it."""
+    server = await start_nats(store_dir=str(tmp_path / "nats"))
+    try:
+        cfg = ReconcilerConfig(nats_url=[server.url], id="rec-cancelled", partitions=1, data_dir=str(tmp_path / "rec"),
+                               kube="none", http_port=0, drift_interval_s=0.1)
+        rec = Reconciler(cfg, gateway=NullGateway(), health=False)
+        run = asyncio.create_task(rec.run())
+        await asyncio.wait_for(rec.ready.wait(), 30)
+        await wait_until(lambda: rec.drift_counts is not None, "a drift check over the held partition")
+        assert _drift("log_vm_missing") == 0
+        assert REGISTRY.get_sample_value("vmfence_quarantined_keys", {"partition": "0"}) == 0
+        part = rec.partitions[0]
+        run.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run
+        assert not part.held and rec.drift_counts is None
+        assert _drift("log_vm_missing") is None, "a cancelled reconciler judges nothing"
+        assert REGISTRY.get_sample_value("vmfence_quarantined_keys", {"partition": "0"}) is None
+    finally:
+        await server.stop()
