@@ -693,6 +693,16 @@ class Agent:
                             self.subjects.kv_hosts, delay, extra={"host": self.config.host})
                 if await self._sleep(delay):
                     return
+            except (TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError,
+                    nats.js.errors.ServiceUnavailableError) as exc:
+                # the bucket exists and its stream has no leader yet (an R3 stream just created, an
+                # election after a node loss): the same wait, not a failed start
+                delay = min(SUBSCRIBE_BACKOFF_MAX_S, 0.25 * 2**attempt)
+                attempt += 1
+                log.warning("hosts bucket %s did not answer (%r); retrying in %.1fs",
+                            self.subjects.kv_hosts, exc, delay, extra={"host": self.config.host})
+                if await self._sleep(delay):
+                    return
 
     async def heartbeat(self) -> None:
         """Capacity and usage into KV ``<prefix>_hosts`` under the host name."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import nats.js.errors
+import pytest
 from nats.aio.client import Client
 
 from services.agent.config import AgentConfig
@@ -30,6 +32,32 @@ async def test_the_agent_waits_for_the_hosts_bucket(nc: Client, make_config: Cal
         await provision(js, Subjects(), StreamsConfig(hosts_ttl_s=5.0))
         await asyncio.wait_for(ready.wait(), 15)
         assert (await (await js.key_value(bucket)).get(cfg.host)).value
+    finally:
+        agent.stop()
+        await asyncio.wait_for(task, 30)
+
+
+async def test_the_agent_waits_for_a_hosts_bucket_without_a_leader(
+        nc: Client, make_config: Callable[..., AgentConfig], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bucket exists but its stream has no leader yet (an R3 stream just created, an election
+    after a node loss: no responders, then 503s): the first heartbeat waits, as for a missing bucket."""
+    cfg = make_config(connect_timeout=20.0)
+    agent = Agent(cfg, driver=sim_driver(cfg))
+    real = Agent.heartbeat
+    refusals = [nats.js.errors.NoStreamResponseError(), nats.js.errors.ServiceUnavailableError()]
+
+    async def electing(self: Agent) -> None:
+        if refusals:
+            raise refusals.pop(0)
+        await real(self)
+
+    monkeypatch.setattr(Agent, "heartbeat", electing)
+    ready = asyncio.Event()
+    task = asyncio.create_task(agent.run(ready=ready))
+    try:
+        await asyncio.wait_for(ready.wait(), 15)
+        assert not refusals and not task.done()
+        assert (await (await nc.jetstream().key_value(Subjects().kv_hosts)).get(cfg.host)).value
     finally:
         agent.stop()
         await asyncio.wait_for(task, 30)
