@@ -326,7 +326,17 @@ class Partition:
         log.info("a no-op input found the key's log ahead of ours; re-reading it",
                  extra={"key": slot.state.key, "partition": self.p})
         await self._reload(slot)
+        self._owe(slot)
         return True
+
+    def _owe(self, slot: KeySlot) -> None:
+        """After a re-read that folded entries this writer had not: carry out the key's outbox. The
+        entries may be another writer's (whose effects die with it), or this writer's own whose
+        append answer was lost (stored, never folded: the log tail skips our own entries); deciding
+        the input again then decides nothing, and nobody else would send what they owe. Effects are
+        idempotent (command ids, msg ids), so what was already sent is only sent again."""
+        if slot.state.outbox and slot.state.key not in self.quarantined:
+            self.effects.submit_all(slot.state.key, list(slot.state.outbox.values()))
 
     async def _reload(self, slot: KeySlot, *, full: bool = False) -> int | None:
         """Re-read one key's log (after a lost race, or from scratch if ours is not a prefix).
@@ -477,6 +487,7 @@ class Partition:
             config=cfg,
         )
         sem = asyncio.Semaphore(MAX_INFLIGHT)
+        failed: Exception | None = None
         try:
             async with asyncio.TaskGroup() as tg:
                 while self.held:
@@ -484,6 +495,12 @@ class Partition:
                         msgs = await psub.fetch(self.fetch_batch, timeout=FETCH_TIMEOUT_S)
                     except (nats.errors.TimeoutError, TimeoutError):
                         continue
+                    except Exception as exc:
+                        # a fetch failed (a leader election, a reconnect): the inputs being handled
+                        # finish first. Cancelled mid-append they would leave an entry stored whose
+                        # answer never came: unfolded here, and its outbox owed by nobody
+                        failed = exc
+                        break
                     for m in msgs:
                         await sem.acquire()
                         tg.create_task(self._handle_released(m, sem))
@@ -492,6 +509,8 @@ class Partition:
         finally:
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
+        if failed is not None:
+            raise failed
 
     async def _handle_released(self, msg: Msg, sem: asyncio.Semaphore) -> None:
         try:
@@ -729,7 +748,9 @@ class Partition:
         full = race.actual_last_seq is None or race.actual_last_seq < slot.last_seq
         known = _copy_state(slot.state)
         if _lost(known, await self._reload(slot, full=full)):
-            await self._rebuild(slot, known)
+            await self._rebuild(slot, known)  # submits the rebuilt key's outbox
+        else:
+            self._owe(slot)
 
     async def _append(self, slot: KeySlot, decisions: list[Decision], kind: str) -> None:
         """One fenced append of the key's next entry, then fold it (LostRace: nothing changed).

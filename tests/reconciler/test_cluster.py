@@ -21,6 +21,19 @@ from tests.reconciler.helpers import log_entries, observe, per_key, sim_agent, w
 PODS = 40
 
 
+def _unbound(rec: Reconciler, keys: list[Key]) -> list[str]:
+    """Each key not bound, with what the reconciler holds of it (names a failure's stuck step)."""
+    out = []
+    for k in keys:
+        p = rec.partitions.get(rec.subjects.partition(k))
+        slot = p.keys.get(str(k)) if p is not None else None
+        if slot is None:
+            out.append(f"{k}: {'partition not held' if p is None else 'never seen'}")
+        elif slot.state.cur is None or not slot.state.cur.bound or slot.state.outbox:
+            out.append(f"{k}: n={slot.state.n} cur={slot.state.cur!r} outbox={slot.state.outbox!r}")
+    return out
+
+
 async def test_r3_cluster_survives_a_node_kill_with_a_clean_audit(tmp_path: Path) -> None:
     cluster = await start_cluster(3, base_dir=str(tmp_path / "nats"))
     async with cluster:
@@ -52,7 +65,10 @@ async def test_r3_cluster_survives_a_node_kill_with_a_clean_audit(tmp_path: Path
                     if s.state.cur is not None and s.state.cur.bound and not s.state.outbox
                 )
 
-            await wait_until(lambda: bound() == PODS, "every key bound after the node kill", within_s=60)
+            try:
+                await wait_until(lambda: bound() == PODS, "every key bound after the node kill", within_s=60)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; not bound: {_unbound(rec, keys)}") from None
             rec.stop()
             await run
         entries = await log_entries(bus)

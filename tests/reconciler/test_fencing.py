@@ -290,3 +290,98 @@ async def test_inputs_that_wait_for_their_keys_lock_are_decided_into_one_entry(b
     assert slot.state.cur is not None and slot.state.cur.rv == 4
     report = audit(entries, final=False)  # its create is still out: no agent runs here
     assert report.clean, report.violations
+
+
+async def test_an_append_stored_whose_answer_was_lost_has_its_effects_carried_out(
+        bus: Bus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server stored an entry but its answer never reached the writer (a leader election, a
+    handler cancelled mid-append): the writer's copy lacks it, so the input comes again, its append
+    loses the race to the writer's own entry, the re-read folds it, and the input decides nothing.
+    The outbox that entry holds (here the new pod's survey) is then owed by nobody else — the log
+    tail passes over our own entries — so the re-read must carry it out, or the pod never starts."""
+    from services.reconciler import partition as partition_module
+    from shared.fence.schema import decode_command
+
+    gateway = NullGateway()
+    key = Key("pod", "default", "lost.answer")
+    gateway.objects[str(key)] = ("uid-1", 1, BOUND)
+    sent: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def on_command(msg: Msg) -> None:
+        sent.put_nowait(msg.data)
+
+    sub = await bus.nc.subscribe(bus.subjects.command("host-a"), cb=on_command)
+    part = _partition(bus, "writer", gateway)
+    part._loaded = True  # a key first seen after the load: it surveys the hosts before its create
+    real = partition_module.fenced_append
+    lost: list[int] = []
+
+    async def answer_lost(*args: object, **kw: object) -> int:
+        seq = await real(*args, **kw)  # type: ignore[arg-type]
+        if not lost:
+            lost.append(seq)
+            raise TimeoutError("the append's answer was lost")
+        return seq
+
+    monkeypatch.setattr(partition_module, "fenced_append", answer_lost)
+    effects = asyncio.create_task(part.effects.run())
+    try:
+        with pytest.raises(TimeoutError):
+            await part.feed(str(key), Observed(str(key), "uid-1", 1))
+        assert lost and part.keys[str(key)].state.n == 0, "stored, not folded"
+        assert sent.empty()
+        assert await part.feed(str(key), Observed(str(key), "uid-1", 1))  # the input again
+        slot = part.keys[str(key)]
+        assert slot.state.n == 1 and slot.last_seq == lost[0] and part.stats["lost_races"] == 1
+        command = decode_command(await asyncio.wait_for(sent.get(), 10))
+        assert command.op == "survey" and command.fence.uid == "uid-1"
+    finally:
+        await sub.unsubscribe()
+        effects.cancel()
+        await asyncio.gather(effects, return_exceptions=True)
+
+
+async def test_a_failed_fetch_lets_the_inputs_being_handled_finish(bus: Bus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consumer restarts when a fetch fails (a leader election after a node loss); the inputs
+    it already handed out must finish their appends first, not be cancelled between the server
+    storing an entry and the writer folding it."""
+    from types import SimpleNamespace
+
+    import nats.js.errors
+
+    part = _partition(bus, "writer", NullGateway())
+    started, release = asyncio.Event(), asyncio.Event()
+    finished: list[str] = []
+
+    class _Electing:
+        def __init__(self) -> None:
+            self.fetches = 0
+
+        async def fetch(self, batch: int, timeout: float) -> list[object]:  # noqa: ASYNC109
+            self.fetches += 1
+            if self.fetches == 1:
+                return [SimpleNamespace(metadata=SimpleNamespace(num_pending=None))]
+            await started.wait()
+            raise nats.js.errors.ServiceUnavailableError
+
+        async def unsubscribe(self) -> None:
+            pass
+
+    async def pull_subscribe(*args: object, **kw: object) -> _Electing:
+        return _Electing()
+
+    async def slow_handle(msg: object) -> None:
+        started.set()
+        await release.wait()
+        finished.append("handled")
+
+    monkeypatch.setattr(part.js, "pull_subscribe", pull_subscribe)
+    monkeypatch.setattr(part, "handle", slow_handle)
+    consume = asyncio.create_task(part._consume())
+    await started.wait()
+    await asyncio.sleep(0)  # the failing fetch is answered while the input is still being handled
+    assert not consume.done()
+    release.set()
+    with pytest.raises(nats.js.errors.ServiceUnavailableError):
+        await asyncio.wait_for(consume, 10)
+    assert finished == ["handled"], "the input in flight was cancelled by the fetch's failure"
