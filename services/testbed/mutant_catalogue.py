@@ -65,6 +65,7 @@ STATE = "shared/fence/state.py"
 APPEND_PY = "shared/bus/append.py"
 KUBE_PY = "services/reconciler/kube.py"
 LEDGER_PY = "services/agent/ledger.py"
+PARTITION_PY = "services/reconciler/partition.py"
 # the policy package shared/fence/decide/: one constant per module a mutant names
 DECIDE_BRINGUP = "shared/fence/decide/bringup.py"
 DECIDE_CONFIRMATION = "shared/fence/decide/confirmation.py"
@@ -612,6 +613,23 @@ MUTANTS: tuple[Mutant, ...] = (
         "    return epoch != old or (epoch == old and not old_uid and bool(uid))\n",
         "rule 4: a key's mark only rises (an old survey round re-sent never re-opens older epochs)",
         LEDGER,
+    ),
+    # --------------------------------------- the partition's writer (services/reconciler/partition.py)
+    Mutant(
+        "partition-reread-owes-nothing", PARTITION_PY,
+        "            await self._rebuild(slot, known)  # submits the rebuilt key's outbox\n        else:\n"
+        "            self._owe(slot)\n",
+        "            await self._rebuild(slot, known)  # submits the rebuilt key's outbox\n",
+        "rule 1: an entry of ours stored whose answer was lost is folded by the re-read of the lost race, "
+        "and its outbox carried out (nobody else owes it)",
+        ("tests/reconciler/test_fencing.py",),
+    ),
+    Mutant(
+        "partition-fetch-failure-cancels-appends", PARTITION_PY,
+        "                        failed = exc\n                        break\n",
+        "                        raise\n",
+        "rule 1: a failed fetch never cancels an input mid-append (an entry stored, never folded)",
+        ("tests/reconciler/test_fencing.py",),
     ),
 )
 
