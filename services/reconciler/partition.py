@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -23,50 +22,36 @@ from nats.js import JetStreamContext, api
 
 from services.reconciler import metrics
 from services.reconciler.effects import EffectRunner
+from services.reconciler.entries import KeyWriter, input_kind, key_of, lost_folded
 from services.reconciler.inventory import InventoryIndex
 from services.reconciler.keytable import KeySlot
 from services.reconciler.snapshot import SnapshotStore
-from shared.bus.append import LostRace, fenced_append
 from shared.bus.deadletter import dead_letter
 from shared.bus.read import last_on_subject, read_stream, read_subject
 from shared.bus.wire import H_MSG_ID
-from shared.fence.decide import DecideEnv, decide, rebuild
+from shared.fence.decide import DecideEnv
 from shared.fence.keys import Key
 from shared.fence.schema import (
     ABSENT,
-    MAX_ENTRY_BYTES,
     MAX_INPUT_BYTES,
     SCHEMA_VERSION,
-    Commanded,
     ConfirmedRead,
-    ConfirmRequested,
-    Decision,
-    Done,
     Input,
     Inventoried,
     LogEntry,
-    Placed,
     Rebuilt,
-    Skipped,
-    TimerArmed,
     UnknownVersion,
-    WriteRequested,
-    decision_name,
     decode_entry,
     decode_input,
-    encode,
-    entry_msg_id,
 )
-from shared.fence.state import Effect, KeyState, decode_state, encode_state, fold_all
+from shared.fence.state import KeyState, fold_all
 from shared.subjects import Subjects
 from shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
 MAX_INFLIGHT = 1024  # inputs being handled at once in one partition
-MAX_RACE_RETRIES = 8  # lost races on one input before giving up (and not acking it)
 FETCH_TIMEOUT_S = 1.0
-CONFIRM_INLINE_TIMEOUT_S = 5.0
 CONSUMER_RESTART_S = 0.5
 H_TRUNCATED = "Vmfence-Truncated"  # on a dead letter cut to MAX_INPUT_BYTES: the original's length
 
@@ -100,15 +85,7 @@ class Quarantine:
     reason: str
 
 
-class EntryTooLarge(Exception):
-    """The log entry of an input's decisions exceeds MAX_ENTRY_BYTES: it can never be appended."""
-
-
-def _input_kind(inp: Input) -> str:
-    return type(inp).__struct_config__.tag  # type: ignore[return-value]
-
-
-class Partition:
+class Partition(KeyWriter):
     def __init__(
         self,
         p: int,
@@ -291,7 +268,7 @@ class Partition:
             slot = self.keys[key]
             try:
                 floor = await self._reload(slot, full=True)
-                if _lost(known, floor):
+                if lost_folded(known, floor):
                     await self._rebuild(slot, known)  # submits the rebuilt key's outbox
             except Undecodable as bad:
                 await self._quarantine(bad)
@@ -319,7 +296,7 @@ class Partition:
         consume, say, the answer to a command the new owner sent, and nobody would decide it. Before
         such an ack the key's log end is compared with ours (one direct get); True if it was ahead
         and has been re-read. Inventories are exempt: every round repeats them."""
-        last = await last_on_subject(self.js, self.subjects.stream_log, self.subjects.log(_key(slot.state.key)))
+        last = await last_on_subject(self.js, self.subjects.stream_log, self.subjects.log(key_of(slot.state.key)))
         if last is None or last.seq <= slot.last_seq:
             return False
         metrics.LOST_RACES.inc()
@@ -329,21 +306,12 @@ class Partition:
         self._owe(slot)
         return True
 
-    def _owe(self, slot: KeySlot) -> None:
-        """After a re-read that folded entries this writer had not: carry out the key's outbox. The
-        entries may be another writer's (whose effects die with it), or this writer's own whose
-        append answer was lost (stored, never folded: the log tail skips our own entries); deciding
-        the input again then decides nothing, and nobody else would send what they owe. Effects are
-        idempotent (command ids, msg ids), so what was already sent is only sent again."""
-        if slot.state.outbox and slot.state.key not in self.quarantined:
-            self.effects.submit_all(slot.state.key, list(slot.state.outbox.values()))
-
     async def _reload(self, slot: KeySlot, *, full: bool = False) -> int | None:
         """Re-read one key's log (after a lost race, or from scratch if ours is not a prefix).
         None if ours was a prefix of the log; else it was re-read from scratch, and the highest
         ``Rebuilt.epoch_floor`` the log holds is returned (-1: none)."""
         key = slot.state.key
-        subject = self.subjects.log(_key(key))
+        subject = self.subjects.log(key_of(key))
         floor = -1
         if full:
             # re-read cold: another writer's entries, or a log that is not a continuation of ours
@@ -373,7 +341,7 @@ class Partition:
             counts = info.state.subjects or {}
         ahead = []
         for key, (state, last_seq) in rows.items():
-            subject = self.subjects.log(_key(key))
+            subject = self.subjects.log(key_of(key))
             if counts.get(subject, 0) >= state.n:
                 continue
             # fewer entries than the row folded (or not in the answer): is the row's last one there?
@@ -546,7 +514,7 @@ class Partition:
             # an agent's subject carries only its own reports (NATS lets it publish nowhere else
             # under .agent.): a report naming another host, or any other input, is forged
             claimed = getattr(inp, "host", None)
-            await self._dead_letter(msg, f"wrong sender: {_input_kind(inp)} naming host {claimed!r} "
+            await self._dead_letter(msg, f"wrong sender: {input_kind(inp)} naming host {claimed!r} "
                                          f"on the subject of host {sender!r}")
             return
         if key in self.quarantined:
@@ -633,217 +601,6 @@ class Partition:
         self.stats[f"dead_lettered:{reason.split(':')[0]}"] += 1
         await msg.ack()
 
-    async def _decide_waiting(self, slot: KeySlot, inp: Input, msg: Msg | None) -> bool:
-        """Decide ``inp`` under the key's lock, together with every input that waited for the lock
-        meanwhile: while one entry of a key is being appended, the key's next inputs queue, and
-        whoever takes the lock next decides all of them in order into one entry (a group commit of
-        the key's log: one append, one fold, the same decisions in the same order as one entry per
-        input would hold). True: decided (ack it); False: not (the key is not ours, or quarantined)."""
-        waiting = _Waiting(inp, msg, asyncio.get_running_loop().create_future())
-        if slot.waiting is None:
-            slot.waiting = []
-        slot.waiting.append(waiting)
-        async with slot.lock:
-            if not waiting.done.done():
-                batch, slot.waiting = slot.waiting, None
-                try:
-                    if not self.held or slot.state.key in self.quarantined:
-                        outcome = [False] * len(batch)
-                    elif len(batch) == 1:
-                        outcome = [await self._process(slot, inp, msg)]
-                    else:
-                        outcome = await self._process_together(slot, batch)
-                except BaseException:
-                    # this handler answers its own input; the others are decided again by whoever
-                    # takes the lock next (as a redelivery would be: decide drops what is done)
-                    rest = [w for w in batch if w is not waiting and not w.done.done()]
-                    if rest:
-                        slot.waiting = rest + (slot.waiting or [])
-                    raise
-                for w, ok in zip(batch, outcome, strict=True):
-                    if not w.done.done():
-                        w.done.set_result(ok)
-        return waiting.done.result()
-
-    async def _process_together(self, slot: KeySlot, batch: list[_Waiting]) -> list[bool]:
-        """Several inputs of one key as one entry (see ``_decide_waiting``). Anything unusual — a
-        batch that decides nothing, an entry too large, the partition lost — is handled one input
-        at a time by ``_process``, as if they had arrived apart."""
-        key = slot.state.key
-        for _ in range(MAX_RACE_RETRIES):
-            work, env = _copy_state(slot.state), self.env()
-            decisions: list[Decision] = []
-            kinds: list[str] = []
-            for w in batch:
-                ds = decide(work, w.inp, env)
-                if self.confirm is not None and len(ds) == 1 and isinstance(ds[0], ConfirmRequested):
-                    ds = await self._confirm_inline(work, ds)
-                fold_all(work, ds)
-                decisions.extend(ds)
-                kinds.append(_input_kind(w.inp) if ds else "")
-            if not decisions or not self.held:
-                break
-            try:
-                await self._append(slot, decisions, "; ".join(k for k in kinds if k)[:1000])
-            except EntryTooLarge:
-                break
-            except LostRace as race:
-                await self._lost_race(slot, race)
-                continue
-            for w, k in zip(batch, kinds, strict=True):
-                metrics.INPUTS.labels(_input_kind(w.inp), "decided" if k else "dropped").inc()
-                if not k:
-                    self.stats["dropped"] += 1
-            self.stats["entries"] += 1
-            self.stats["decisions"] += len(decisions)
-            self.stats["grouped"] += len(batch)
-            self._after_append(key, decisions)
-            return [True] * len(batch)
-        return [await self._process(slot, w.inp, w.msg) for w in batch]
-
-    async def _process(self, slot: KeySlot, inp: Input, msg: Msg | None) -> bool:
-        kind = _input_kind(inp)
-        key = slot.state.key
-        for _ in range(MAX_RACE_RETRIES):
-            decisions = decide(slot.state, inp, self.env())
-            if self.confirm is not None and len(decisions) == 1 and isinstance(decisions[0], ConfirmRequested):
-                decisions = await self._confirm_inline(slot.state, decisions)
-            if not decisions:
-                if msg is not None and not isinstance(inp, Inventoried) and await self._behind(slot):
-                    continue  # another writer moved the key on: decide again on what it wrote
-                metrics.INPUTS.labels(kind, "dropped").inc()
-                self.stats["dropped"] += 1
-                return True
-            if not self.held:
-                return False
-            try:
-                await self._append(slot, decisions, kind)
-            except EntryTooLarge as big:
-                # never appendable, so never retried: parked with its reason, and the key goes on
-                log.error("input's entry too large; not decided: %s", big, extra={"key": key, "partition": self.p})
-                metrics.INPUTS.labels(kind, "too_large").inc()
-                self.stats["too_large"] += 1
-                if msg is None:
-                    return True  # an outcome of ours: its effect stays in the outbox (re-derived)
-                await self._dead_letter(msg, f"entry too large: {big}")
-                return False  # acked by the dead letter
-            except LostRace as race:
-                await self._lost_race(slot, race)
-                continue
-            metrics.INPUTS.labels(kind, "decided").inc()
-            self.stats["entries"] += 1
-            self.stats["decisions"] += len(decisions)
-            self._after_append(key, decisions)
-            return True
-        log.error("gave up after %d lost races", MAX_RACE_RETRIES, extra={"key": key})
-        return False
-
-    async def _lost_race(self, slot: KeySlot, race: LostRace) -> None:
-        """Another writer appended to the key first: re-read it (the whole log if ours is no longer
-        a prefix of it) and rebuild when the re-read lost entries we had folded; the caller decides
-        again on what is there now."""
-        metrics.LOST_RACES.inc()
-        self.stats["lost_races"] += 1
-        log.info("lost append race; re-reading key", extra={"key": slot.state.key, "partition": self.p})
-        full = race.actual_last_seq is None or race.actual_last_seq < slot.last_seq
-        known = _copy_state(slot.state)
-        if _lost(known, await self._reload(slot, full=full)):
-            await self._rebuild(slot, known)  # submits the rebuilt key's outbox
-        else:
-            self._owe(slot)
-
-    async def _append(self, slot: KeySlot, decisions: list[Decision], kind: str) -> None:
-        """One fenced append of the key's next entry, then fold it (LostRace: nothing changed).
-        While it is in flight its floor holds the snapshot watermark below its sequence."""
-        key = slot.state.key
-        # the wall-clock time is for people reading the log (rule 12: no decision depends on it)
-        entry = LogEntry(key, slot.state.n + 1, decisions, input=kind, writer=self.writer, at=time.time())
-        payload = encode(entry)
-        if len(payload) > MAX_ENTRY_BYTES:
-            raise EntryTooLarge(f"{len(payload)} bytes, above the bound of {MAX_ENTRY_BYTES}")
-        floor = self._max_seen
-        self._inflight_floors[floor] += 1
-        start = time.perf_counter()
-        try:
-            seq = await fenced_append(
-                self.js,
-                self.subjects.log(_key(key)),
-                payload,
-                expected_last_subject_seq=slot.last_seq,
-                msg_id=entry_msg_id(key, entry.n, self.writer, payload),
-                stream=self.subjects.stream_log,
-            )
-        except nats.errors.MaxPayloadError as exc:  # a server configured below MAX_ENTRY_BYTES
-            raise EntryTooLarge(f"{len(payload)} bytes, refused by the server: {exc}") from exc
-        finally:
-            self._inflight_floors[floor] -= 1
-            if self._inflight_floors[floor] <= 0:
-                del self._inflight_floors[floor]
-        metrics.APPEND_SECONDS.observe(time.perf_counter() - start)
-        fold_all(slot.state, decisions)
-        slot.state.n, slot.last_seq, slot.dirty = entry.n, seq, True
-        self._max_seen = max(self._max_seen, seq)
-        self.inventory.index(key, slot.state)
-
-    async def _rebuild(self, slot: KeySlot, known: KeyState) -> None:
-        """The log holds less than this writer had folded (its tail was lost, e.g. restored from an
-        older copy): say so in the log, lift the epoch above all it knew, survey every host before
-        any VM is made, and carry out what the re-read outbox still owes."""
-        key = slot.state.key
-        log.error(
-            "log of key is behind what this writer had folded (%d < %d entries): rebuilding",
-            slot.state.n, known.n, extra={"key": key, "partition": self.p},
-        )
-        metrics.POD_LIFECYCLE.labels("rebuild", "started", "log_tail_lost").inc()
-        decisions = rebuild(slot.state, known.epoch, self.env(), f"log tail lost: {known.n - slot.state.n} entries")
-        try:
-            await self._append(slot, decisions, "rebuild")
-        except LostRace:
-            await self._reload(slot, full=True)
-            return
-        self.effects.submit_all(key, list(slot.state.outbox.values()))
-
-    async def _confirm_inline(self, state: KeyState, decisions: list[Decision]) -> list[Decision]:
-        """Carry out a lone consistent read before appending, and append the request, its answer
-        and what follows as one entry: the same decisions in the same order as two entries would
-        hold, one append and no outbox round trip. A failed read leaves the request to the outbox."""
-        req = decisions[0]
-        assert isinstance(req, ConfirmRequested) and self.confirm is not None
-        try:
-            read = await asyncio.wait_for(self.confirm(_key(state.key), req.request), CONFIRM_INLINE_TIMEOUT_S)
-        except Exception as exc:
-            log.info("inline confirm failed (%r); leaving it to the outbox", exc, extra={"key": state.key})
-            return decisions
-        after = fold_all(_copy_state(state), decisions)
-        return decisions + decide(after, read, self.env())
-
-    def _after_append(self, key: str, decisions: list) -> None:  # type: ignore[type-arg]
-        effects: list[Effect] = []
-        for d in decisions:
-            name = decision_name(d)
-            metrics.DECISIONS.labels(name).inc()
-            match d:
-                case Skipped(reason=reason):
-                    metrics.POD_LIFECYCLE.labels("input", "skipped", reason).inc()
-                case Placed(host=host):
-                    cur = self.keys[key].state.cur
-                    if cur is not None:
-                        self.on_placed(host, cur.spec.cpus, cur.spec.memory_mib)
-                    metrics.POD_LIFECYCLE.labels("place", "ok", "").inc()
-                case Commanded() | ConfirmRequested() | WriteRequested() | TimerArmed():
-                    effects.append(d)
-                case Done(effect_id=eid):
-                    effects = [e for e in effects if not (isinstance(e, ConfirmRequested) and e.request == eid)]
-                case Rebuilt(reason=reason):
-                    # decide saw an agent hold an epoch of the key above its log's: a cut nobody saw
-                    log.error("log of key lost entries no reconciler saw: rebuilding (%s)", reason,
-                              extra={"key": key, "partition": self.p})
-                    metrics.POD_LIFECYCLE.labels("rebuild", "started", "agent_epoch_ahead").inc()
-                case _:
-                    pass
-        if effects:
-            self.effects.submit_all(key, effects)
-
     # ------------------------------------------------------------------------ snapshots
     def snapshot_rows(self) -> tuple[list[tuple[str, int, bytes]], int]:
         """Dirty rows and a watermark below which every entry of this partition is in them."""
@@ -863,24 +620,4 @@ class Partition:
             await self.snapshots.save(self.p, rows, watermark)
 
 
-def _lost(known: KeyState, floor: int | None) -> bool:
-    """A re-read log (``floor`` from ``_reload``) lost entries this writer had folded, and no
-    ``Rebuilt`` in it already accounts for every epoch the writer knew."""
-    return floor is not None and known.n > 0 and floor < known.epoch
 
-
-@dataclass(slots=True)
-class _Waiting:
-    """An input waiting for its key's lock (``KeySlot.waiting``), and its handler's answer."""
-
-    inp: Input
-    msg: Msg | None
-    done: asyncio.Future[bool]
-
-
-def _copy_state(state: KeyState) -> KeyState:
-    return decode_state(encode_state(state))
-
-
-def _key(text: str) -> Key:
-    return Key.parse(text)

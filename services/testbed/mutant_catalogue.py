@@ -66,6 +66,7 @@ APPEND_PY = "shared/bus/append.py"
 KUBE_PY = "services/reconciler/kube.py"
 LEDGER_PY = "services/agent/ledger.py"
 PARTITION_PY = "services/reconciler/partition.py"
+ENTRIES_PY = "services/reconciler/entries.py"
 # the policy package shared/fence/decide/: one constant per module a mutant names
 DECIDE_BRINGUP = "shared/fence/decide/bringup.py"
 DECIDE_CONFIRMATION = "shared/fence/decide/confirmation.py"
@@ -614,9 +615,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "rule 4: a key's mark only rises (an old survey round re-sent never re-opens older epochs)",
         LEDGER,
     ),
-    # --------------------------------------- the partition's writer (services/reconciler/partition.py)
+    # ------------------------ the partition (services/reconciler/partition.py) and its write path (entries.py)
     Mutant(
-        "partition-reread-owes-nothing", PARTITION_PY,
+        "partition-reread-owes-nothing", ENTRIES_PY,
         "            await self._rebuild(slot, known)  # submits the rebuilt key's outbox\n        else:\n"
         "            self._owe(slot)\n",
         "            await self._rebuild(slot, known)  # submits the rebuilt key's outbox\n",

@@ -299,7 +299,7 @@ async def test_an_append_stored_whose_answer_was_lost_has_its_effects_carried_ou
     loses the race to the writer's own entry, the re-read folds it, and the input decides nothing.
     The outbox that entry holds (here the new pod's survey) is then owed by nobody else — the log
     tail passes over our own entries — so the re-read must carry it out, or the pod never starts."""
-    from services.reconciler import partition as partition_module
+    from services.reconciler import entries as entries_module
     from shared.fence.schema import decode_command
 
     gateway = NullGateway()
@@ -313,7 +313,7 @@ async def test_an_append_stored_whose_answer_was_lost_has_its_effects_carried_ou
     sub = await bus.nc.subscribe(bus.subjects.command("host-a"), cb=on_command)
     part = _partition(bus, "writer", gateway)
     part._loaded = True  # a key first seen after the load: it surveys the hosts before its create
-    real = partition_module.fenced_append
+    real = entries_module.fenced_append
     lost: list[int] = []
 
     async def answer_lost(*args: object, **kw: object) -> int:
@@ -323,7 +323,7 @@ async def test_an_append_stored_whose_answer_was_lost_has_its_effects_carried_ou
             raise TimeoutError("the append's answer was lost")
         return seq
 
-    monkeypatch.setattr(partition_module, "fenced_append", answer_lost)
+    monkeypatch.setattr(entries_module, "fenced_append", answer_lost)
     effects = asyncio.create_task(part.effects.run())
     try:
         with pytest.raises(TimeoutError):

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from nats.aio.msg import Msg
 
-import services.reconciler.partition as partition_module
+import services.reconciler.entries as entries_module
 from services.reconciler import metrics
 from services.reconciler.effects import EffectRunner
 from services.reconciler.kube import NullGateway
@@ -225,7 +225,7 @@ async def test_an_input_above_the_bound_is_dead_lettered_truncated_and_the_parti
 async def test_an_entry_above_the_bound_is_dead_lettered_never_redelivered(
     bus: Bus, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(partition_module, "MAX_ENTRY_BYTES", 4096)
+    monkeypatch.setattr(entries_module, "MAX_ENTRY_BYTES", 4096)
     gateway = NullGateway()
     key, probe = Key("pod", "default", "many.vms"), Key("pod", "default", "probe")
     gateway.objects[str(probe)] = ("uid-p", 1, BOUND)
