@@ -179,7 +179,7 @@ class Reconciler:
         attempt = 0
         while True:
             try:
-                return await step()
+                return await self._unless_stopped(step())
             except (ProvisionFailed, nats.errors.Error, TimeoutError) as exc:
                 delay = backoff_delay(attempt)
                 attempt += 1
@@ -187,6 +187,20 @@ class Reconciler:
                     log.warning("could not %s (%r); retrying in %.1fs", what, exc, delay)
                 if await sleep_unless_set(self._stop, delay):
                     raise StoppedDuringStartup from exc
+
+    async def _unless_stopped(self, aw: Awaitable[T]) -> T:
+        """``aw``, abandoned the moment stop() is called: a startup step waiting out a JetStream
+        request timeout (several, for provisioning) would otherwise hold a SIGTERM for as long."""
+        step: asyncio.Future[T] = asyncio.ensure_future(aw)
+        stopped = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({step, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if not step.done():
+            await cancel_and_wait([step], what="startup step")
+            raise StoppedDuringStartup
+        return step.result()
 
     def safe_id(self) -> str:
         return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in self.writer)

@@ -60,4 +60,4 @@ async def test_sigterm_while_waiting_for_jetstream_ends_the_reconciler(proxy: Bu
     await asyncio.wait_for(lost.wait(), 60)
     rec.stop()
     with pytest.raises(StoppedDuringStartup):
-        await asyncio.wait_for(run, 30)
+        await asyncio.wait_for(run, 5)  # at once: not after the step's request timeouts
