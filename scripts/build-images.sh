@@ -92,6 +92,7 @@ if [ -n "${VMFENCE_BUILD_REF:-}" ]; then
   say "building from $(git rev-parse --short "$VMFENCE_BUILD_REF")"
 fi
 t0=$(date +%s)
+previous=$(podman image inspect --format '{{.Id}}' "$VMFENCE_IMAGE" 2>/dev/null || true)
 podman build -q -f "$context/deploy/Dockerfile" --ignorefile "$context/deploy/Dockerfile.dockerignore" \
   --build-arg PYTHON_IMAGE="$BASE_IMAGE" --secret id=pip-ca,src="$CA" -t "$VMFENCE_IMAGE" "$context" >/dev/null
 [ "$context" = . ] || rm -rf "$context"
@@ -116,7 +117,13 @@ rm -rf "$ctx"
 say "$NATS_IMAGE built in $(( $(date +%s) - t0 ))s"
 
 # the previous builds' untagged final images (the layer cache of the current ones stays)
-podman image prune -f >/dev/null 2>&1 || true
+# the image this build replaced, and only it: a `podman image prune` would also remove the build
+# stage's layers, and with them the cached dependency layer (every code change then reinstalled
+# every dependency: ~30-90 s instead of ~5 s)
+current=$(podman image inspect --format '{{.Id}}' "$VMFENCE_IMAGE" 2>/dev/null || true)
+if [ -n "$previous" ] && [ "$previous" != "$current" ]; then
+  podman rmi "$previous" >/dev/null 2>&1 || true
+fi
 
 echo "export VMFENCE_IMAGE=$VMFENCE_IMAGE"
 echo "export VMFENCE_NATS_IMAGE=$NATS_IMAGE"
