@@ -24,7 +24,7 @@ def _qemu_usable() -> bool:
     return shutil.which("qemu-system-x86_64") is not None and shutil.which("qemu-img") is not None
 
 
-CHAOS_S, SETTLE_S = 30, 60
+CHAOS_S, SETTLE_S = 20, 60
 RECHECK_S = 25 + 60  # the command's second look at an end state an inventory has yet to clean
 MARGIN_S = 40  # starting (a 3-node cluster, processes, QEMU's accel probe) and stopping everything
 RUN_LIMIT_S = CHAOS_S + SETTLE_S + RECHECK_S + MARGIN_S

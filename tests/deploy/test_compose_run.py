@@ -104,7 +104,7 @@ def test_compose_stack_survives_a_partition_and_a_nats_kill(images: dict[str, st
     env = {k: v for k, v in os.environ.items() if not k.startswith("VMFENCE_")} | {
         "VMFENCE_IMAGE": images["VMFENCE_IMAGE"], "VMFENCE_NATS_IMAGE": images["VMFENCE_NATS_IMAGE"]}
     res = subprocess.run(
-        [sys.executable, "-m", "services.cli", "chaos", "--compose", "--minutes", "0.75", "--rng-seed", "7",
+        [sys.executable, "-m", "services.cli", "chaos", "--compose", "--minutes", "0.5", "--rng-seed", "7",
          "--plan", "partition:agent,kill:nats", "--churn-every", "1", "--settle-timeout", "150", "--quiet",
          "--json"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=840,
