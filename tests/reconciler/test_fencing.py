@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from services.reconciler.effects import EffectRunner
 from services.reconciler.kube import NullGateway
@@ -202,6 +203,16 @@ async def test_a_snapshot_row_whose_positions_the_log_refilled_is_reread_not_tru
     await two.close()
 
 
+async def _commands_to(bus: Bus, host: str) -> tuple[Subscription, asyncio.Queue[bytes]]:
+    """What the partition sends to ``host``, as it is published."""
+    sent: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def on_command(msg: Msg) -> None:
+        sent.put_nowait(msg.data)
+
+    return await bus.nc.subscribe(bus.subjects.command(host), cb=on_command), sent
+
+
 async def test_a_no_op_input_on_a_stale_copy_is_decided_on_the_log_not_dropped(bus: Bus) -> None:
     """Rule 1 for inputs that decide nothing: they are acked without an append, so no fence checks
     them. A writer whose copy is stale (it lost its lease while cut off, then fetched again) must
@@ -241,12 +252,7 @@ async def test_an_entry_a_previous_owner_appends_after_the_load_is_taken_over_wi
     gateway = NullGateway()
     key = Key("pod", "default", "late.append")
     gateway.objects[str(key)] = ("uid-1", 1, BOUND)
-    sent: asyncio.Queue[bytes] = asyncio.Queue()
-
-    async def on_command(msg: Msg) -> None:
-        sent.put_nowait(msg.data)
-
-    sub = await bus.nc.subscribe(bus.subjects.command("host-a"), cb=on_command)
+    sub, sent = await _commands_to(bus, "host-a")
     new = _partition(bus, "new-owner", gateway)
     effects, run = asyncio.create_task(new.effects.run()), asyncio.create_task(new.run())
     try:
@@ -305,12 +311,7 @@ async def test_an_append_stored_whose_answer_was_lost_has_its_effects_carried_ou
     gateway = NullGateway()
     key = Key("pod", "default", "lost.answer")
     gateway.objects[str(key)] = ("uid-1", 1, BOUND)
-    sent: asyncio.Queue[bytes] = asyncio.Queue()
-
-    async def on_command(msg: Msg) -> None:
-        sent.put_nowait(msg.data)
-
-    sub = await bus.nc.subscribe(bus.subjects.command("host-a"), cb=on_command)
+    sub, sent = await _commands_to(bus, "host-a")
     part = _partition(bus, "writer", gateway)
     part._loaded = True  # a key first seen after the load: it surveys the hosts before its create
     real = entries_module.fenced_append
