@@ -208,7 +208,10 @@ class Prober:
             else:
                 delay = self.interval
                 try:
-                    ready = await asyncio.wait_for(self.driver.probe(vm_id), self.timeout)
+                    # asyncio.timeout, not wait_for: no task per probe (one probe per VM per interval
+                    # is the agent's largest cost that grows with its VMs)
+                    async with asyncio.timeout(self.timeout):
+                        ready = await self.driver.probe(vm_id)
                 except (RuntimeFailure, Inconclusive, TimeoutError) as e:
                     log.debug("probe failed: %s", e, extra=fence_fields(fence, vm_id))
                     ready = False
