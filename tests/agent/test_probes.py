@@ -79,3 +79,25 @@ async def test_a_replaced_probe_loop_ends_and_the_prober_stops(probed: tuple[Led
     # the successor is parked in a publish that swallows cancels, as the replaced one was
     assert await cancel_and_wait([run], attempts=3, recancel_after_s=0.5) == set(), "the prober never stopped"
     assert probe_loops() == []
+
+
+async def test_a_probe_that_outlasts_its_timeout_is_not_ready(probed: tuple[Ledger, RuntimeDriver]) -> None:
+    """A runtime that does not answer a probe within ``timeout`` reports the VM not ready, and the
+    loop goes on: the next probe, answered, reports it ready."""
+    ledger, driver = probed
+    driver.faults.delay("probe", 30.0, vm_id=VM)  # type: ignore[attr-defined]  # the first probe hangs
+    changes: asyncio.Queue[ProbeChanged] = asyncio.Queue()
+
+    async def publish(change: ProbeChanged) -> None:
+        changes.put_nowait(change)
+
+    prober = Prober(ledger, driver, "host-a", publish, interval=INTERVAL_S, timeout=0.2)
+    run = asyncio.create_task(prober.run())
+    try:
+        prober.kick(VM)
+        first = await asyncio.wait_for(changes.get(), 5)
+        assert first.vm_id == VM and first.ready is False, "a hung probe is not ready"
+        second = await asyncio.wait_for(changes.get(), 5)
+        assert second.ready is True
+    finally:
+        await cancel_and_wait([run])
