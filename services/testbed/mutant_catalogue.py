@@ -199,14 +199,7 @@ MUTANTS: tuple[Mutant, ...] = (
         '            raise _Outcome("superseded", f"uid is now {uid}")\n',
         "",
         "rule 4/6: a status write is built only on the fence's own incarnation (read consistently)",
-        KUBE,
-        equivalent=(
-            "redundant with the uid in both patch bodies: built on a successor, the status patch (uid + "
-            "that successor's resourceVersion) or the annotations patch (uid) is refused with 409, the "
-            "re-read names the other uid and the outcome is superseded all the same; both diffs are "
-            "never empty for another incarnation, because vmfence.io/epoch (pods) and status.epoch "
-            "(VirtualMachines) differ — epochs strictly increase per key"
-        ),
+        KUBE,  # once argued equivalent; killed since tests/kube/test_status_last_seen.py joined KUBE
     ),
     Mutant(
         "kube-not-found-is-failed", KUBE_PY,
