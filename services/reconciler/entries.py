@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -48,9 +48,6 @@ from shared.fence.schema import (
 )
 from shared.fence.state import Effect, KeyState, decode_state, encode_state, fold_all
 from shared.subjects import Subjects
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("services.reconciler.partition")  # one logger for the partition's lines
 
@@ -89,6 +86,9 @@ class KeyWriter:
         raise NotImplementedError
 
     async def _reload(self, slot: KeySlot, full: bool = False) -> int | None:
+        raise NotImplementedError
+
+    async def _dead_letter(self, msg: Msg, reason: str) -> None:
         raise NotImplementedError
 
     async def _decide_waiting(self, slot: KeySlot, inp: Input, msg: Msg | None) -> bool:
@@ -208,14 +208,16 @@ class KeyWriter:
         if lost_folded(known, await self._reload(slot, full=full)):
             await self._rebuild(slot, known)  # submits the rebuilt key's outbox
         else:
+            # the re-read may have folded another writer's entries (whose effects die with it) or
+            # our own whose append answer was lost (stored, never folded; the log tail skips our
+            # own entries): deciding the input again then decides nothing, and nobody else would
+            # send what they owe
             self._owe(slot)
 
     def _owe(self, slot: KeySlot) -> None:
-        """After a re-read that folded entries this writer had not: carry out the key's outbox. The
-        entries may be another writer's (whose effects die with it), or this writer's own whose
-        append answer was lost (stored, never folded: the log tail skips our own entries); deciding
-        the input again then decides nothing, and nobody else would send what they owe. Effects are
-        idempotent (command ids, msg ids), so what was already sent is only sent again."""
+        """Carry out the key's outbox: effects decided but maybe never carried out (a crash, a
+        handover, a lifted quarantine, a re-read of entries this writer had not folded). Effects
+        are idempotent (command ids, msg ids), so what was already sent is only sent again."""
         if slot.state.outbox and slot.state.key not in self.quarantined:
             self.effects.submit_all(slot.state.key, list(slot.state.outbox.values()))
 
@@ -268,7 +270,7 @@ class KeyWriter:
         except LostRace:
             await self._reload(slot, full=True)
             return
-        self.effects.submit_all(key, list(slot.state.outbox.values()))
+        self._owe(slot)
 
     async def _confirm_inline(self, state: KeyState, decisions: list[Decision]) -> list[Decision]:
         """Carry out a lone consistent read before appending, and append the request, its answer
@@ -310,8 +312,6 @@ class KeyWriter:
                     pass
         if effects:
             self.effects.submit_all(key, effects)
-
-    # ------------------------------------------------------------------------ snapshots
 
 def lost_folded(known: KeyState, floor: int | None) -> bool:
     """A re-read log (``floor`` from ``_reload``) lost entries this writer had folded, and no

@@ -210,8 +210,7 @@ class Partition(KeyWriter):
             self.effects.resume(key)
             log.warning("quarantine lifted: the key's log reads again (%d entries)", slot.state.n,
                         extra={"key": key, "partition": self.p})
-            if slot.state.outbox:
-                self.effects.submit_all(key, list(slot.state.outbox.values()))
+            self._owe(slot)
             lifted.append(key)
         return lifted
 
@@ -281,8 +280,8 @@ class Partition(KeyWriter):
         self._loaded = True
         # the outbox: effects decided but maybe not carried out before a crash or handover
         for key, slot in self.keys.items():
-            if slot.state.outbox and key not in unbacked and key not in self.quarantined:
-                self.effects.submit_all(key, list(slot.state.outbox.values()))
+            if key not in unbacked:
+                self._owe(slot)
 
     def _slot(self, key: str) -> KeySlot:
         slot = self.keys.get(key)
@@ -431,8 +430,7 @@ class Partition(KeyWriter):
                     except Undecodable as bad:
                         await self._quarantine(bad)
                         continue
-                    if slot.state.outbox:
-                        self.effects.submit_all(entry.key, list(slot.state.outbox.values()))
+                    self._owe(slot)
                 slot.release_idle()
         finally:
             with contextlib.suppress(Exception):
