@@ -104,6 +104,30 @@ def await_chain(aw: Any) -> list[str]:
     return lines
 
 
+async def unless_set(
+    aw: Awaitable[T],
+    event: asyncio.Event,
+    *,
+    within_s: float | None = None,
+    what: str = "step",
+    attempts: int = CANCEL_ATTEMPTS,
+    recancel_after_s: float = RECANCEL_AFTER_S,
+) -> asyncio.Future[T] | None:
+    """Run ``aw`` until it finishes, ``event`` is set (a stop) or ``within_s`` passes: its finished
+    future, or None once it has been cancelled for sure (``cancel_and_wait``). A stop then need not
+    wait out the step's own network timeouts."""
+    step: asyncio.Future[T] = asyncio.ensure_future(aw)
+    stopped: asyncio.Future[Any] = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({step, stopped}, timeout=within_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if step.done():
+        return step
+    await cancel_and_wait([step], what=what, attempts=attempts, recancel_after_s=recancel_after_s)
+    return None
+
+
 async def sleep_unless_set(event: asyncio.Event, seconds: float) -> bool:
     """Sleep ``seconds``, waking early when ``event`` is set (a stop); True if it is set."""
     try:

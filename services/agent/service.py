@@ -82,7 +82,7 @@ from shared.fence.schema import (
 )
 from shared.httpserve import HealthServer
 from shared.subjects import Subjects
-from shared.tasks import cancel_and_wait, end_within, run_within, sleep_unless_set
+from shared.tasks import cancel_and_wait, end_within, run_within, sleep_unless_set, unless_set
 
 log = logging.getLogger("vmfence.agent")
 
@@ -281,16 +281,10 @@ class Agent:
     async def _startup(self, aw: Awaitable[T], what: str) -> T:
         """One startup step, bounded by connect_timeout and abandoned at once on stop(): NATS'
         initial connect otherwise retries forever and SIGTERM would go unheard."""
-        step: asyncio.Future[T] = asyncio.ensure_future(aw)
-        stop: asyncio.Future[Any] = asyncio.ensure_future(self._stopping.wait())
-        try:
-            done, _ = await asyncio.wait({step, stop}, timeout=self.config.connect_timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if step in done:
+        step = await unless_set(aw, self._stopping, within_s=self.config.connect_timeout, what="agent step",
+                                attempts=CANCEL_ATTEMPTS, recancel_after_s=CANCEL_RETRY_S)
+        if step is not None:
             return step.result()
-        await _cancel_hard(step)
         if self._stopping.is_set():
             raise _StoppedDuringStartup
         raise AgentStartError(f"could not {what} within {self.config.connect_timeout:g}s")
@@ -686,21 +680,16 @@ class Agent:
             try:
                 await self.heartbeat()
                 return
-            except nats.js.errors.BucketNotFoundError:
+            except (nats.js.errors.BucketNotFoundError, TimeoutError, nats.errors.NoRespondersError,
+                    nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError) as exc:
+                # not there yet (provisioning), or there with no stream leader yet (an R3 stream
+                # just created, an election after a node loss): the same wait, not a failed start
                 delay = min(SUBSCRIBE_BACKOFF_MAX_S, 0.25 * 2**attempt)
                 attempt += 1
-                log.warning("hosts bucket %s does not exist yet (provisioning?); retrying in %.1fs",
-                            self.subjects.kv_hosts, delay, extra={"host": self.config.host})
-                if await self._sleep(delay):
-                    return
-            except (TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError,
-                    nats.js.errors.ServiceUnavailableError) as exc:
-                # the bucket exists and its stream has no leader yet (an R3 stream just created, an
-                # election after a node loss): the same wait, not a failed start
-                delay = min(SUBSCRIBE_BACKOFF_MAX_S, 0.25 * 2**attempt)
-                attempt += 1
-                log.warning("hosts bucket %s did not answer (%r); retrying in %.1fs",
-                            self.subjects.kv_hosts, exc, delay, extra={"host": self.config.host})
+                why = ("does not exist yet (provisioning?)" if isinstance(exc, nats.js.errors.BucketNotFoundError)
+                       else f"did not answer ({exc!r})")
+                log.warning("hosts bucket %s %s; retrying in %.1fs", self.subjects.kv_hosts, why, delay,
+                            extra={"host": self.config.host})
                 if await self._sleep(delay):
                     return
 

@@ -43,7 +43,7 @@ from shared.fence.schema import Input
 from shared.fence.state import KeyState
 from shared.httpserve import HealthServer, ListenError
 from shared.subjects import Subjects
-from shared.tasks import cancel_and_wait, sleep_unless_set
+from shared.tasks import cancel_and_wait, sleep_unless_set, unless_set
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -191,14 +191,8 @@ class Reconciler:
     async def _unless_stopped(self, aw: Awaitable[T]) -> T:
         """``aw``, abandoned the moment stop() is called: a startup step waiting out a JetStream
         request timeout (several, for provisioning) would otherwise hold a SIGTERM for as long."""
-        step: asyncio.Future[T] = asyncio.ensure_future(aw)
-        stopped = asyncio.ensure_future(self._stop.wait())
-        try:
-            await asyncio.wait({step, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-        if not step.done():
-            await cancel_and_wait([step], what="startup step")
+        step = await unless_set(aw, self._stop, what="startup step")
+        if step is None:
             raise StoppedDuringStartup
         return step.result()
 

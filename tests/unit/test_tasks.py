@@ -139,3 +139,30 @@ async def test_a_task_group_whose_child_swallows_a_cancel_still_ends_with_join(w
         released.set()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_unless_set_gives_the_finished_step_or_abandons_it_on_the_event() -> None:
+    from shared.tasks import unless_set
+
+    stop = asyncio.Event()
+
+    async def quick() -> int:
+        return 7
+
+    done = await unless_set(quick(), stop)
+    assert done is not None and done.result() == 7
+
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def slow() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()  # a request waiting out its own timeout, say
+        finally:
+            cancelled.set()
+
+    waiting = asyncio.ensure_future(unless_set(slow(), stop))
+    await started.wait()
+    stop.set()
+    assert await asyncio.wait_for(waiting, 5) is None and cancelled.is_set()
+    assert await unless_set(asyncio.Event().wait(), asyncio.Event(), within_s=0.05) is None
