@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from shared.fence.keys import DEFAULT_PARTITIONS, Key, decode_token, encode_token, key_from_tokens, partition_of
 
 DEFAULT_PREFIX = "vmfence"
+PARTITION_TOKEN = "partition"  # the last token of a host's answer to a partition verify
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,19 @@ class Subjects:
         a report whose ``host`` is not the subject's (``sender_of_in_subject``). ``report`` stays
         readable for the reconcilers' own outcomes and for agents not yet moved."""
         return f"{self.prefix}.in.{self.partition(key)}.agent.{encode_token(host)}.{key.tokens()}"
+
+    def host_partition_report(self, p: int, host: str) -> str:
+        """A host's answer to a partition's PartitionVerify: ``<prefix>.in.<p>.agent.<host>.partition``
+        (one token after the host: no key's report subject has that shape)."""
+        return f"{self.prefix}.in.{p}.agent.{encode_token(host)}.{PARTITION_TOKEN}"
+
+    def partition_report_of(self, subject: str) -> tuple[int, str] | None:
+        """(partition, host) of a ``host_partition_report`` subject; None for any other subject."""
+        parts = subject.split(".")
+        if (len(parts) == 6 and parts[0] == self.prefix and parts[1] == "in" and parts[3] == "agent"
+                and parts[5] == PARTITION_TOKEN and parts[2].isdigit()):
+            return int(parts[2]), decode_token(parts[4])
+        return None
 
     def host_reports(self, host: str) -> str:
         """Every report subject of one host (what its agent's NATS user may publish to)."""

@@ -49,8 +49,19 @@ from services.agent.runtime import (
     VMSpec,
     resolve_image,
 )
-from shared.fence.agentfence import fence_verdict, mark_verdict, raises_mark, refusal
-from shared.fence.schema import NO_INCARNATION, Command, CommandResult, Fence, Inventoried, ResultOutcome
+from shared.fence.agentfence import fence_verdict, floor_verdict, mark_verdict, raises_mark, refusal
+from shared.fence.keys import DEFAULT_PARTITIONS, partition_of
+from shared.fence.schema import (
+    MAX_INPUT_BYTES,
+    NO_INCARNATION,
+    Command,
+    CommandResult,
+    Fence,
+    Inventoried,
+    PartitionVerified,
+    PartitionVerify,
+    ResultOutcome,
+)
 
 log = logging.getLogger("vmfence.agent.executor")
 
@@ -103,6 +114,7 @@ class Executor:
     op_timeout: float = 300.0
     locks: VMLocks = field(default_factory=VMLocks)
     network: HostNetwork | None = None  # bridge networking: every new VM gets an address of its pool
+    partitions: int = DEFAULT_PARTITIONS  # the deployment's partition count: a key's floor is its partition's
     _alloc: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
     _last_ip: str | None = field(default=None, init=False, repr=False)
 
@@ -115,6 +127,12 @@ class Executor:
             if stored is not None:
                 log.info("redelivered command answered from the ledger", extra=cmd_fields(cmd))
                 return stored, True
+            why = floor_verdict(cmd.op, cmd.gen, self.ledger.floor(partition_of(cmd.fence.key, self.partitions)))
+            if why is not None:
+                # a newer writer of the partition verified this host: nothing its predecessor sent
+                # may act here now. Not stored: the newer writer asks again if the command is its too
+                log.info("command %s: refused (%s)", cmd.op, why, extra=cmd_fields(cmd, outcome="inconclusive"))
+                return self.result(cmd, "inconclusive", error=why), False
             if cmd.op in NEW_VM_OPS and not self.ledger.writable:
                 # no intent row could be written before the effect: take no new VM (the reconciler
                 # places it elsewhere); nothing is recorded, a redelivery asks again
@@ -143,6 +161,28 @@ class Executor:
                     f" ({result.error})" if result.error else "",
                     extra=cmd_fields(cmd, outcome=result.outcome))
             return result, False
+
+    async def verify(self, ask: PartitionVerify) -> PartitionVerified:
+        """Raise the partition's floor to ``ask.gen`` (durably) and name the keys of the partition
+        with a VM here: the ledger's rows and, for a VM the ledger lost, the runtime's labels. The
+        caller lets every command handed out before ``ask`` finish first."""
+        p = ask.partition
+        await self.ledger.raise_floor(p, ask.gen)
+        keys = {row.fence.key for row in self.ledger.vms()}
+        for info in await self.timed(self.driver.list()):
+            owner = labels_fence(info.labels)
+            if owner is not None:
+                keys.add(owner.key)
+        mine = sorted(k for k in keys if partition_of(k, self.partitions) == p)
+        answer = PartitionVerified(p, ask.gen, self.ledger.floor(p), self.host, mine)
+        budget, size = MAX_INPUT_BYTES - 1024, 0
+        for i, key in enumerate(mine):
+            size += len(key.encode()) + 3
+            if size > budget:
+                # more than one answer carries: the host stays unverified (every new key of the
+                # partition surveys it, as before verification existed)
+                return msgspec.structs.replace(answer, keys=mine[:i], truncated=True)
+        return answer
 
     async def give_up(self, cmd: Command, error: str) -> CommandResult:
         """The command cannot be executed (its retries are spent, or its error will not heal): a

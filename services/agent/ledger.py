@@ -77,6 +77,10 @@ CREATE TABLE IF NOT EXISTS key_marks (
     key TEXT PRIMARY KEY,
     epoch INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS partition_floors (
+    partition INTEGER PRIMARY KEY,
+    gen INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS health (
     probe TEXT PRIMARY KEY,
     at REAL NOT NULL
@@ -172,6 +176,7 @@ class Ledger:
     _marks: dict[str, int] = field(default_factory=dict, init=False, repr=False)
     _mark_uids: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _removed: dict[str, Tombstone] = field(default_factory=dict, init=False, repr=False)
+    _floors: dict[int, int] = field(default_factory=dict, init=False, repr=False)  # partition -> gen
     # the addresses held (resource -> (vm_id, uid, epoch)): a mirror of the ``ip`` reservations every
     # write below keeps, so an allocation never reads thousands of rows
     _ips: dict[str, tuple[str, str, int]] = field(default_factory=dict, init=False, repr=False)
@@ -207,6 +212,31 @@ class Ledger:
         for key, epoch, uid in db.execute("SELECT key, epoch, uid FROM key_marks"):
             self._marks[key] = int(epoch)
             self._mark_uids[key] = str(uid)
+        for partition, gen in db.execute("SELECT partition, gen FROM partition_floors"):
+            self._floors[int(partition)] = int(gen)
+
+    def floor(self, partition: int) -> int:
+        """The newest generation of the partition's writer that verified this host (0: none)."""
+        return self._floors.get(partition, 0)
+
+    def lift_floor(self, partition: int, gen: int) -> None:
+        """Raise the partition's floor at once, in memory only (``raise_floor`` makes it durable):
+        a command checked after this call is held to it, whether or not the write has landed."""
+        if gen > self._floors.get(partition, 0):
+            self._floors[partition] = gen
+
+    async def raise_floor(self, partition: int, gen: int) -> None:
+        """Raise the partition's floor to ``gen`` (it only rises), durably."""
+        self.lift_floor(partition, gen)
+
+        def body(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT INTO partition_floors(partition, gen) VALUES(?, ?) ON CONFLICT(partition) DO UPDATE "
+                "SET gen=excluded.gen WHERE excluded.gen > partition_floors.gen",
+                (partition, gen),
+            )
+
+        await self._write(body, lambda _: None)
 
     def key_mark(self, key: str) -> int:
         """The newest epoch any command for this key carried here (0: none yet)."""

@@ -69,15 +69,20 @@ from shared.bus.retry import Retry, backoff_delay
 from shared.config import EXIT_CONFIG, start
 from shared.fence.keys import Key, encode_token
 from shared.fence.schema import (
+    H_KIND,
+    MAX_GEN,
+    VERIFY_KIND,
     Command,
     CommandResult,
     Fence,
     HostHeartbeat,
     Inventoried,
+    PartitionVerify,
     ProbeChanged,
     VMExited,
     VMGone,
     decode_command,
+    decode_verify,
     encode,
 )
 from shared.httpserve import HealthServer
@@ -225,7 +230,7 @@ class Agent:
             self.executor = Executor(
                 self.ledger, driver, cfg.host, cfg.snapshots, image_dir=cfg.images,
                 vnc=cfg.vnc_range is not None, op_timeout=cfg.op_timeout, locks=VMLocks(),
-                network=self.network if self.network.enabled else None,
+                network=self.network if self.network.enabled else None, partitions=cfg.partitions,
             )
             self.collector = Collector(self.executor, self.metrics, grace_s=cfg.collect_grace)
             await self.executor.reserve_runtime_addresses()  # before any command can allocate one
@@ -449,7 +454,10 @@ class Agent:
                     await self._sleep(FETCH_ERROR_BACKOFF_S)
                     continue
                 for msg in msgs:  # tasks start in order: per-VM locks are taken in stream order
-                    t = tg.create_task(self._handle(msg))
+                    if (msg.headers or {}).get(H_KIND) == VERIFY_KIND:
+                        t = tg.create_task(self._verify(msg, before=set(inflight)))
+                    else:
+                        t = tg.create_task(self._handle(msg))
                     inflight.add(t)
                     t.add_done_callback(inflight.discard)
             if inflight:
@@ -493,6 +501,50 @@ class Agent:
             log.warning("result not published (%r); redelivery will republish it", e, extra=cmd_fields(cmd))
             await self._nak(msg, self._retry_delay(msg))
             return
+        await self._ack(msg)
+
+    def _verify_ask(self, data: bytes) -> PartitionVerify:
+        """The PartitionVerify in ``data``; ValueError (with why) for anything no retry fixes."""
+        ask = decode_verify(data)
+        if ask.host != self.config.host:
+            raise ValueError(f"partition verify for host {ask.host!r} delivered to {self.config.host!r}")
+        if not 0 <= ask.partition < self.config.partitions:
+            raise ValueError(f"partition {ask.partition} out of range 0..{self.config.partitions - 1}")
+        if not 0 < ask.gen <= MAX_GEN:
+            raise ValueError(f"generation {ask.gen} out of range 1..{MAX_GEN}")
+        return ask
+
+    async def _verify(self, msg: Msg, *, before: set[asyncio.Task[None]]) -> None:
+        """A partition's writer verifies this host (PartitionVerify). The floor rises in memory
+        before anything handed out after this message is checked; the commands handed out before
+        it finish first, so the keys named include whatever they made."""
+        assert self.executor is not None and self.bus is not None
+        try:
+            ask = self._verify_ask(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+            await self._dead_letter(msg, f"malformed partition verify: {e}")
+            return
+        self.ledger.lift_floor(ask.partition, ask.gen)
+        keepalive = asyncio.create_task(self._keepalive(msg))  # owned: cancelled in finally
+        try:
+            if before:
+                await asyncio.wait(before)
+            answer = await self.executor.verify(ask)
+            subject = self.subjects.host_partition_report(ask.partition, self.config.host)
+            msg_id = f"verified:{self.config.host}:{ask.partition}:{ask.gen}:{self.boot}:{self._next_id()}"
+            await publish_input(self.bus.js, subject, encode(answer), msg_id=msg_id)
+        except Exception as e:  # the ledger or the bus: the writer asks again, and so does a redelivery
+            log.warning("partition %d not verified (%r); redelivering", ask.partition, e,
+                        extra={"host": self.config.host, "partition": ask.partition})
+            self.metrics.commands.labels(op="verify", result="failed").inc()
+            await self._nak(msg, self._retry_delay(msg))
+            return
+        finally:
+            keepalive.cancel()
+        self.metrics.commands.labels(op="verify", result="ok").inc()
+        log.info("partition %d verified for its writer of generation %d: %d keys with a VM here%s",
+                 ask.partition, ask.gen, len(answer.keys), " (truncated)" if answer.truncated else "",
+                 extra={"host": self.config.host, "partition": ask.partition, "writer": ask.writer})
         await self._ack(msg)
 
     def _retry_delay(self, msg: Msg) -> float:

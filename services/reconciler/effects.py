@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import msgspec
 from nats.js import JetStreamContext
 
 from services.reconciler import metrics
@@ -61,6 +62,7 @@ class EffectRunner:
         workers: int = 64,
         owns: Callable[[int], bool] = lambda p: True,
         feed: Callable[[str, Input], Awaitable[bool]] | None = None,
+        gen: Callable[[int], int] = lambda p: 0,
     ) -> None:
         self.js = js
         self.subjects = subjects
@@ -68,6 +70,7 @@ class EffectRunner:
         self.workers = workers
         self.owns = owns
         self.feed = feed
+        self.gen = gen  # partition -> its writer's generation here, stamped on every command sent
         self._queues: dict[str, collections.deque[Work]] = {}
         self._ready: asyncio.Queue[str] = asyncio.Queue()
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
@@ -176,7 +179,9 @@ class EffectRunner:
         kind = type(work).__name__
         match work:
             case Commanded(command=cmd):
-                payload = encode(cmd)
+                # the writer that sends a command vouches for it now (after a handover, the new
+                # writer re-sends its log's outbox): it carries this writer's generation
+                payload = encode(msgspec.structs.replace(cmd, gen=self.gen(self.subjects.partition(key))))
                 if len(payload) > MAX_COMMAND_BYTES:
                     # never sendable: it ends as a failed result, and the kernel decides (a create
                     # backs off, a remove is retried) — never a publish retried every second

@@ -26,6 +26,7 @@ from services.reconciler.entries import KeyWriter, input_kind, key_of, lost_fold
 from services.reconciler.inventory import InventoryIndex
 from services.reconciler.keytable import KeySlot
 from services.reconciler.snapshot import SnapshotStore
+from shared.bus.append import publish_input
 from shared.bus.deadletter import dead_letter
 from shared.bus.read import last_on_subject, read_stream, read_subject
 from shared.bus.wire import H_MSG_ID
@@ -33,16 +34,22 @@ from shared.fence.decide import DecideEnv
 from shared.fence.keys import Key
 from shared.fence.schema import (
     ABSENT,
+    H_KIND,
+    MAX_GEN,
     MAX_INPUT_BYTES,
     SCHEMA_VERSION,
+    VERIFY_KIND,
     ConfirmedRead,
     Input,
     Inventoried,
     LogEntry,
+    PartitionVerify,
     Rebuilt,
     UnknownVersion,
     decode_entry,
     decode_input,
+    decode_verified,
+    encode,
 )
 from shared.fence.state import KeyState, fold_all
 from shared.subjects import Subjects
@@ -62,6 +69,10 @@ H_TRUNCATED = "Vmfence-Truncated"  # on a dead letter cut to MAX_INPUT_BYTES: th
 # sees its rounds complete.
 INVENTORY_STALE_S = 180.0
 INVENTORY_SWEEP_S = 30.0
+# A live host the partition's writer has not verified (PartitionVerify) is asked again this often;
+# a host that joins the live set is asked within it. Until every live host has answered, keys first
+# seen survey the hosts one by one, as they did before partition verification existed.
+VERIFY_RETRY_S = 2.0
 # A quarantined key's log is read again this often: once an operator has removed the entry that
 # does not decode (docs/operations.md#vmfencekeyquarantined), the key is loaded and goes on.
 QUARANTINE_RECHECK_S = INVENTORY_SWEEP_S
@@ -102,8 +113,15 @@ class Partition(KeyWriter):
         max_ack_pending: int = 4096,
         fetch_batch: int = 256,
         inventory_stale_s: float = INVENTORY_STALE_S,
+        gen: int = 0,
     ) -> None:
         self.p = p
+        # this writer's generation of the partition (its lease's revision when taken): every command
+        # it sends carries it, and hosts it verified refuse what an older generation sent
+        self.gen = gen
+        self.verified: set[str] = set()  # live hosts that answered our PartitionVerify at ``gen``
+        self._named: set[str] = set()  # keys those hosts said they have a VM of
+        self._asked: dict[str, float] = {}  # host -> when it was last asked (loop time)
         self.js = js
         self.subjects = subjects
         self.writer = writer
@@ -286,8 +304,84 @@ class Partition(KeyWriter):
     def _slot(self, key: str) -> KeySlot:
         slot = self.keys.get(key)
         if slot is None:
-            slot = self.keys[key] = KeySlot(KeyState(key=key, unverified=self._loaded))
+            # a key first seen after the load may have had a log tail that was lost: its first VM
+            # waits for a survey of every host -- unless every live host has verified the partition
+            # and none named the key (then no live host has a VM of it, nor will run a command of
+            # an older writer)
+            unverified = self._loaded and (key in self._named or not self.partition_verified())
+            slot = self.keys[key] = KeySlot(KeyState(key=key, unverified=unverified))
         return slot
+
+    def partition_verified(self) -> bool:
+        """Every live host has answered this writer's PartitionVerify (and there is one)."""
+        live = {h.name for h in self.env().hosts}
+        return bool(live) and live <= self.verified
+
+    # ----------------------------------------------------------------- partition verification
+    async def ask_hosts(self) -> list[str]:
+        """Ask each live host not verified at ``gen`` (and not asked within ``VERIFY_RETRY_S``) to
+        verify the partition; a host that left the live set must answer again when it returns.
+        Returns the hosts asked."""
+        if self.gen <= 0:
+            return []  # no generation (a test's partition without a lease): nothing to verify with
+        live = {h.name for h in self.env().hosts}
+        self.verified &= live
+        now = asyncio.get_running_loop().time()
+        asked = []
+        for host in sorted(live - self.verified):
+            if now - self._asked.get(host, -VERIFY_RETRY_S) < VERIFY_RETRY_S:
+                continue
+            ask = PartitionVerify(self.p, self.gen, host, self.writer)
+            await publish_input(self.js, self.subjects.command(host), encode(ask),
+                                msg_id=f"verify:{self.p}:{self.gen}:{host}:{now:.3f}", headers={H_KIND: VERIFY_KIND})
+            self._asked[host] = now
+            asked.append(host)
+        return asked
+
+    async def _verify_hosts(self) -> None:
+        while self.held:
+            await self.ask_hosts()
+            await asyncio.sleep(VERIFY_RETRY_S)  # a period, not a synchronisation
+
+    async def _verified_answer(self, msg: Msg, p: int, sender: str) -> None:
+        """A host's answer to our PartitionVerify."""
+        try:
+            answer = decode_verified(msg.data)
+        except UnknownVersion as exc:
+            await self._dead_letter(msg, f"unknown input version: {exc}")
+            return
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+            await self._dead_letter(msg, f"undecodable input: {exc}")
+            return
+        if answer.host != sender:
+            await self._dead_letter(msg, f"wrong sender: partition verified naming host {answer.host!r} "
+                                         f"on the subject of host {sender!r}")
+            return
+        if answer.partition != p or p != self.p:
+            await self._dead_letter(msg, f"partition verified of partition {answer.partition} on the subject of {p}")
+            return
+        if answer.gen == self.gen and self.held:
+            if answer.floor > self.gen:
+                # a writer of a later generation verified the host first: only a lease bucket that
+                # lost its history gives a new lease a lower revision. Our commands would all be
+                # refused there: take a generation above it and verify every host again
+                log.warning("host %s holds the partition at generation %d, above ours (%d): re-verifying "
+                            "every host at %d", sender, answer.floor, self.gen, answer.floor + 1,
+                            extra={"partition": self.p})
+                self.gen = min(answer.floor + 1, MAX_GEN)
+                self.verified.clear()
+                self._asked.clear()
+            elif answer.truncated:
+                log.warning("host %s has more keys of the partition than one answer carries: new keys "
+                            "keep surveying every host", sender, extra={"partition": self.p})
+            else:
+                self._named.update(answer.keys)
+                self.verified.add(sender)
+                if self.partition_verified():
+                    log.info("partition verified by every live host at generation %d", self.gen,
+                             extra={"partition": self.p})
+        with contextlib.suppress(nats.errors.Error):
+            await msg.ack()
 
     async def _behind(self, slot: KeySlot) -> bool:
         """An input that decides nothing is acked without an append, so no fence checks it: a
@@ -366,8 +460,9 @@ class Partition(KeyWriter):
         async with asyncio.TaskGroup() as tg:
             tail = tg.create_task(self._keep(self._tail_foreign, "log tail"))
             sweep = tg.create_task(self._keep(self._sweep, "inventory sweep"))
+            verify = tg.create_task(self._keep(self._verify_hosts, "partition verification"))
             await self._keep(self._consume, "consumer")
-            await cancel_and_wait([tail, sweep], what="log tail")
+            await cancel_and_wait([tail, sweep, verify], what="log tail")
 
     async def _keep(self, loop: Callable[[], Awaitable[None]], what: str) -> None:
         while self.held:
@@ -493,6 +588,9 @@ class Partition(KeyWriter):
         if len(msg.data) > MAX_INPUT_BYTES:
             size = len(msg.data)
             await self._dead_letter(msg, f"input too large: {size} bytes, above the bound of {MAX_INPUT_BYTES}")
+            return
+        if (verified := self.subjects.partition_report_of(msg.subject)) is not None:
+            await self._verified_answer(msg, *verified)
             return
         try:
             inp = decode_input(msg.data)

@@ -136,7 +136,8 @@ class Reconciler:
             log.info("pods without a nodeName: %s", "placed and bound by vmfence" if self.bind_unscheduled
                      else "left to the scheduler")
             self.effects = EffectRunner(
-                bus.js, self.subjects, gateway, workers=cfg.effect_workers, owns=self.owns, feed=self._feed
+                bus.js, self.subjects, gateway, workers=cfg.effect_workers, owns=self.owns, feed=self._feed,
+                gen=self._gen,
             )
             leases_kv = await self._until_done("open the leases", lambda: bus.js.key_value(self.subjects.kv_leases))
             hosts_kv = await self._until_done("open the hosts", lambda: bus.js.key_value(self.subjects.kv_hosts))
@@ -277,13 +278,18 @@ class Reconciler:
             snapshots=self.snapshots, env=self.env, on_placed=self.hosts.placed,
             confirm=self.effects.gateway.confirm,
             ack_wait_s=self.cfg.ack_wait_s, max_ack_pending=self.cfg.max_ack_pending,
-            fetch_batch=self.cfg.fetch_batch,
+            fetch_batch=self.cfg.fetch_batch, gen=lease.revision or 0,
         )
         self._leases[p] = lease
         self.partitions[p] = part
         await part.load()
         log.info("partition taken (caught up %d entries)", part.stats["caught_up"], extra={"partition": p})
         self._tasks[p] = tg.create_task(part.run(), name=f"partition-{p}")
+
+    def _gen(self, p: int) -> int:
+        """The generation this process writes partition ``p`` under (0: not ours)."""
+        part = self.partitions.get(p)
+        return part.gen if part is not None else 0
 
     async def _drop(self, p: int, *, release: bool) -> None:
         part = self.partitions.pop(p, None)

@@ -1,6 +1,6 @@
 """The agent's half of rule 4 as data: may a command under its fence touch this VM, here, now?
 
-Three tables, each total over its product (tests/unit/test_agent_fence.py checks every cell and the
+Four tables, each total over its product (tests/unit/test_agent_fence.py checks every cell and the
 rules below as properties), so a reader sees the whole policy at once and a new case is a new cell:
 
 - ``OWNER``: (op class x the command's relation to the VM's owner fence) -> verdict. A command older
@@ -10,6 +10,8 @@ rules below as properties), so a reader sees the whole policy at once and a new 
 - ``MARK``: (op class x the command's relation to the key's mark, the newest epoch of the key this
   host has seen and the uid it belongs to) -> verdict. Nothing decided under an older epoch, or
   under this epoch for another incarnation, may make or wake a VM here.
+- ``BELOW_FLOOR``: op class -> whether it is refused when its writer's partition generation is below
+  the host's floor for the partition (a newer writer verified the host: ``PartitionVerify``).
 - ``BURIED``: op class -> verdict for a vm_id that was removed, hibernated or lost: it is never
   brought back. (``adopt`` refuses a buried vm_id too, but only after asking the runtime, since
   rule 8 wants "the runtime does not know it" answered first: its own step does that.)
@@ -118,6 +120,19 @@ RAISES_MARK: Final[Mapping[OpClass, bool]] = {
     "collect": False,  # a remove carries the owner's own, possibly old, fence
 }
 
+BELOW_FLOOR: Final[Mapping[OpClass, bool]] = {
+    # refused when sent under a partition generation below the host's floor for that partition
+    # (a newer writer of the partition verified this host since; PartitionVerify): answered
+    # ``inconclusive`` and not stored, so the newer writer, if the command is in its log too, asks
+    # again under its own generation -- never ``fenced``, which would end its record of the VM
+    "bring_up": True,
+    "hibernate": True,
+    "adopt": True,
+    "look": True,
+    "survey": True,
+    "collect": False,  # a remove carries the owner's own, possibly old, fence; cleanup is allowed
+}
+
 _REASONS: Final[Mapping[Verdict, str]] = {
     "other_key": "VM belongs to key {owner.key!r}",
     "older_than_owner": "fence epoch {fence.epoch} is older than the owner's {owner.epoch}",
@@ -170,6 +185,15 @@ def mark_verdict(op: CommandOp, fence: Fence, mark: int, mark_uid: str) -> str |
     """None if the key's mark lets ``op`` under ``fence`` run here, else why not."""
     verdict = MARK[OP_CLASS[op], mark_relation(fence, mark, mark_uid)]
     return reason(verdict, fence, Fence(fence.key, mark_uid, mark))
+
+
+def floor_verdict(op: CommandOp, gen: int, floor: int) -> str | None:
+    """None if ``op`` sent under partition generation ``gen`` may run on a host whose floor for the
+    partition is ``floor``, else why not."""
+    if gen >= floor or not BELOW_FLOOR[OP_CLASS[op]]:
+        return None
+    return (f"sent by the partition's writer of generation {gen}; "
+            f"a writer of generation {floor} verified this host since")
 
 
 def raises_mark(op: CommandOp) -> bool:

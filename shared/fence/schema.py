@@ -248,6 +248,46 @@ class Command(msgspec.Struct, frozen=True, omit_defaults=True):
     vm_id: str
     spec: Spec = Spec()
     snapshot: str | None = None
+    # the lease generation of the writer that sent it (stamped by the shell at send time, never by
+    # decide): a host refuses what a partition's older writer sent once a newer one verified it
+    # (PartitionVerify). 0: unstamped (below every floor but a host's first)
+    gen: int = 0
+    v: int = SCHEMA_VERSION
+
+
+# The named bound of a lease generation (a KV revision): as MAX_EPOCH, exact in every reader.
+MAX_GEN = 2**53 - 1
+H_KIND = "Vmfence-Kind"  # header on the command subject: "verify" for a PartitionVerify
+VERIFY_KIND = "verify"
+
+
+class PartitionVerify(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A partition's writer, once per lease and per host (and again when a host joins), asks one
+    host, on that host's command stream behind whatever an earlier writer sent it: raise the
+    partition's floor to ``gen`` -- nothing sent under an older generation may make, wake,
+    hibernate, adopt or look at a VM here afterwards -- and name every key of the partition the
+    host has a VM of. With every live host's answer in, a key the writer meets for the first time
+    and no host named cannot have a VM or a command of a lost log tail anywhere that is still
+    live: it makes its first VM without a survey of its own (KeyState.unverified stays False)."""
+
+    partition: int
+    gen: int
+    host: str
+    writer: str
+    v: int = SCHEMA_VERSION
+
+
+class PartitionVerified(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A host's answer to PartitionVerify, on ``Subjects.host_partition_report``: its floor after
+    the raise (above ``gen``: a later writer verified first) and the keys of the partition with a
+    VM here. ``truncated``: more keys than one message carries -- the host is not verified by it."""
+
+    partition: int
+    gen: int
+    floor: int
+    host: str
+    keys: list[str] = []
+    truncated: bool = False
     v: int = SCHEMA_VERSION
 
 
@@ -684,6 +724,8 @@ _json_encoder = msgspec.json.Encoder()
 _input_decoder = msgspec.json.Decoder(Input)
 _entry_decoder = msgspec.json.Decoder(LogEntry)
 _command_decoder = msgspec.json.Decoder(Command)
+_verify_decoder = msgspec.json.Decoder(PartitionVerify)
+_verified_decoder = msgspec.json.Decoder(PartitionVerified)
 
 
 def encode(obj: msgspec.Struct) -> bytes:
@@ -724,6 +766,22 @@ def decode_entry(data: bytes) -> LogEntry:
 
 def decode_command(data: bytes) -> Command:
     return _command_decoder.decode(data)
+
+
+def decode_verify(data: bytes) -> PartitionVerify:
+    """A PartitionVerify; ``UnknownVersion`` for a newer ``v``, msgspec's errors for anything else."""
+    ask = _verify_decoder.decode(data)
+    if ask.v not in INPUT_VERSIONS:
+        raise UnknownVersion(f"partition verify of schema version {ask.v}")
+    return ask
+
+
+def decode_verified(data: bytes) -> PartitionVerified:
+    """A PartitionVerified; ``UnknownVersion`` for a newer ``v``, msgspec's errors for anything else."""
+    answer = _verified_decoder.decode(data)
+    if answer.v not in INPUT_VERSIONS:
+        raise UnknownVersion(f"partition verified of schema version {answer.v}")
+    return answer
 
 
 def entry_msg_id(key: str, n: int, writer: str, payload: bytes) -> str:

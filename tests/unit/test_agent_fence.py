@@ -51,7 +51,7 @@ def test_every_cell_is_defined_and_nothing_else() -> None:
     assert set(af.OP_CLASS.values()) == set(af.OP_CLASSES)
     assert set(af.OWNER) == {(c, r) for c in af.OP_CLASSES for r in af.RELATIONS}
     assert set(af.MARK) == {(c, r) for c in af.OP_CLASSES for r in af.MARK_RELATIONS}
-    assert set(af.BURIED) == set(af.OP_CLASSES) == set(af.RAISES_MARK)
+    assert set(af.BURIED) == set(af.OP_CLASSES) == set(af.RAISES_MARK) == set(af.BELOW_FLOOR)
     verdicts = set(get_args(af.Verdict))
     assert set(af.OWNER.values()) | set(af.MARK.values()) | set(af.BURIED.values()) <= verdicts
 
@@ -125,6 +125,16 @@ def test_a_buried_vm_id_is_never_brought_back(op: CommandOp, fence: Fence, owner
         assert refused == f"vm vm-1 was {why}; a vm_id is never brought back"
     else:
         assert refused == af.fence_verdict(op, fence, owner)
+
+
+@given(ops, st.integers(min_value=0, max_value=5), st.integers(min_value=0, max_value=5))
+def test_below_the_partition_floor_only_a_remove_runs(op: CommandOp, gen: int, floor: int) -> None:
+    why = af.floor_verdict(op, gen, floor)
+    if gen >= floor or op == "remove":
+        assert why is None
+    else:
+        assert why == (f"sent by the partition's writer of generation {gen}; "
+                       f"a writer of generation {floor} verified this host since")
 
 
 def test_only_a_remove_leaves_the_mark_where_it_was() -> None:
