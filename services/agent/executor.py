@@ -127,12 +127,14 @@ class Executor:
             if stored is not None:
                 log.info("redelivered command answered from the ledger", extra=cmd_fields(cmd))
                 return stored, True
-            why = floor_verdict(cmd.op, cmd.gen, self.ledger.floor(partition_of(cmd.fence.key, self.partitions)))
+            floor = self.ledger.floor(partition_of(cmd.fence.key, self.partitions))
+            why = floor_verdict(cmd.op, cmd.gen, floor)
             if why is not None:
                 # a newer writer of the partition verified this host: nothing its predecessor sent
-                # may act here now. Not stored: the newer writer asks again if the command is its too
+                # may act here now. Not stored: the newer writer's own copy (if the command is in its
+                # log too) runs or is answered from here
                 log.info("command %s: refused (%s)", cmd.op, why, extra=cmd_fields(cmd, outcome="inconclusive"))
-                return self.result(cmd, "inconclusive", error=why), False
+                return msgspec.structs.replace(self.result(cmd, "inconclusive", error=why), floor=floor), False
             if cmd.op in NEW_VM_OPS and not self.ledger.writable:
                 # no intent row could be written before the effect: take no new VM (the reconciler
                 # places it elsewhere); nothing is recorded, a redelivery asks again

@@ -180,8 +180,10 @@ class EffectRunner:
         match work:
             case Commanded(command=cmd):
                 # the writer that sends a command vouches for it now (after a handover, the new
-                # writer re-sends its log's outbox): it carries this writer's generation
-                payload = encode(msgspec.structs.replace(cmd, gen=self.gen(self.subjects.partition(key))))
+                # writer re-sends its log's outbox): it carries this writer's generation, and its
+                # Msg-Id names it, so a predecessor's copy still queued never hides this one
+                gen = self.gen(self.subjects.partition(key))
+                payload = encode(msgspec.structs.replace(cmd, gen=gen))
                 if len(payload) > MAX_COMMAND_BYTES:
                     # never sendable: it ends as a failed result, and the kernel decides (a create
                     # backs off, a remove is retried) — never a publish retried every second
@@ -190,7 +192,8 @@ class EffectRunner:
                     failed = CommandResult(cmd.fence, cmd.id, cmd.op, cmd.host, cmd.vm_id, "failed", error=why)
                     await self._outcome(key, failed, f"{key}|{cmd.id}|too-large")
                     return
-                await publish_input(self.js, self.subjects.command(cmd.host), payload, msg_id=cmd.id)
+                await publish_input(self.js, self.subjects.command(cmd.host), payload,
+                                    msg_id=f"{cmd.id}@{gen}" if gen else cmd.id)
                 kind = f"command_{cmd.op}"
             case ConfirmRequested(request=req):
                 read = await self.gateway.confirm(key, req)

@@ -39,6 +39,7 @@ from shared.fence.schema import (
     MAX_INPUT_BYTES,
     SCHEMA_VERSION,
     VERIFY_KIND,
+    CommandResult,
     ConfirmedRead,
     Input,
     Inventoried,
@@ -343,6 +344,27 @@ class Partition(KeyWriter):
             await self.ask_hosts()
             await asyncio.sleep(VERIFY_RETRY_S)  # a period, not a synchronisation
 
+    def _outgrown(self, host: str, floor: int) -> None:
+        """A writer of a later generation verified ``host`` first: only a lease bucket that lost its
+        history gives a new lease a lower revision. Our commands would all be refused there: take a
+        generation above it, verify every host again and send every key's outbox under it."""
+        log.warning("host %s holds the partition at generation %d, above ours (%d): re-verifying every "
+                    "host at %d", host, floor, self.gen, floor + 1, extra={"partition": self.p})
+        self.gen = min(floor + 1, MAX_GEN)
+        self.verified.clear()
+        self._asked.clear()
+        for slot in self.keys.values():
+            self._owe(slot)
+
+    async def _refused_below_floor(self, r: CommandResult) -> None:
+        """A host refused a command sent under an older generation than its floor. Never decided:
+        every command of our log's outbox went out again under our generation at the load (and a
+        lost race or a handover re-sends it), so our own copy is answered on its own -- this answer
+        says nothing about it. Above our generation, we are the older writer."""
+        self.stats["refused_below_floor"] += 1
+        if r.floor > self.gen and self.held:
+            self._outgrown(r.host, r.floor)
+
     async def _verified_answer(self, msg: Msg, p: int, sender: str) -> None:
         """A host's answer to our PartitionVerify."""
         try:
@@ -362,15 +384,7 @@ class Partition(KeyWriter):
             return
         if answer.gen == self.gen and self.held:
             if answer.floor > self.gen:
-                # a writer of a later generation verified the host first: only a lease bucket that
-                # lost its history gives a new lease a lower revision. Our commands would all be
-                # refused there: take a generation above it and verify every host again
-                log.warning("host %s holds the partition at generation %d, above ours (%d): re-verifying "
-                            "every host at %d", sender, answer.floor, self.gen, answer.floor + 1,
-                            extra={"partition": self.p})
-                self.gen = min(answer.floor + 1, MAX_GEN)
-                self.verified.clear()
-                self._asked.clear()
+                self._outgrown(sender, answer.floor)
             elif answer.truncated:
                 log.warning("host %s has more keys of the partition than one answer carries: new keys "
                             "keep surveying every host", sender, extra={"partition": self.p})
@@ -615,6 +629,11 @@ class Partition(KeyWriter):
             return
         if key in self.quarantined:
             await self._dead_letter(msg, self._quarantined_reason(key))
+            return
+        if isinstance(inp, CommandResult) and inp.floor > 0:
+            await self._refused_below_floor(inp)
+            with contextlib.suppress(nats.errors.Error):
+                await msg.ack()
             return
         lacking = self.inventory.note(key, inp) if isinstance(inp, Inventoried) else []
         slot = self._slot(key)

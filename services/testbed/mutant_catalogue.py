@@ -109,8 +109,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "state-forgotten-drops-its-commands", STATE,
-        "if _effect_fence(eff) == f and not isinstance(eff, Commanded):",
-        "if _effect_fence(eff) == f:",
+        "if _effect_fence(eff) == f and not isinstance(eff, Commanded) and not _is_survey(eff):",
+        "if _effect_fence(eff) == f and not _is_survey(eff):",
         "rule 11/never a leak: a forgotten incarnation's commands stay outstanding, so a late result "
         "(a VM made after all) is still collected",
         KERNEL,
@@ -616,6 +616,38 @@ MUTANTS: tuple[Mutant, ...] = (
         "rule 1: an entry of ours stored whose answer was lost is folded by the re-read of the lost race, "
         "and its outbox carried out (nobody else owes it)",
         ("tests/reconciler/test_fencing.py",),
+    ),
+    Mutant(
+        "partition-verified-ignores-named-keys", PARTITION_PY,
+        "unverified = self._loaded and (key in self._named or not self.partition_verified())",
+        "unverified = self._loaded and not self.partition_verified()",
+        "rule 2 after a lost tail: a key a host named in its PartitionVerified answer (it has a VM of "
+        "it) surveys every host before its first VM",
+        ("tests/reconciler/test_partition_verify.py",),
+    ),
+    Mutant(
+        "partition-trusts-another-generations-answer", PARTITION_PY,
+        "        if answer.gen == self.gen and self.held:\n",
+        "        if self.held:\n",
+        "rule 1/2: only an answer to this writer's own generation verifies a host (an older lease's "
+        "answer says nothing of what was sent since)",
+        ("tests/reconciler/test_partition_verify.py",),
+    ),
+    Mutant(
+        "partition-decides-floor-refusals", PARTITION_PY,
+        "        if isinstance(inp, CommandResult) and inp.floor > 0:\n",
+        "        if False:\n",
+        "rule 11: a host's refusal of an older writer's copy of a command says nothing about this "
+        "writer's own copy; it is never decided",
+        ("tests/reconciler/test_partition_verify.py",),
+    ),
+    Mutant(
+        "agent-ignores-the-partition-floor", EXECUTOR,
+        "            why = floor_verdict(cmd.op, cmd.gen, floor)\n",
+        "            why = None\n",
+        "rule 1/4: once a newer writer of the partition verified the host, nothing its predecessor "
+        "sent makes, wakes or looks at a VM there",
+        ("tests/agent/test_partition_floor.py",),
     ),
     Mutant(
         "partition-fetch-failure-cancels-appends", PARTITION_PY,

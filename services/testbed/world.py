@@ -13,6 +13,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from msgspec.structs import replace
+
 from shared.fence.audit import AuditReport, audit
 from shared.fence.decide import DecideEnv, HostView, decide, rebuild
 from shared.fence.schema import (
@@ -70,12 +72,22 @@ class Agent:
     lost: dict[str, AgentVM] = field(default_factory=dict)  # VMs the runtime lost: inventories repeat them
     marks: dict[str, int] = field(default_factory=dict)  # per key: the newest epoch commanded
     mark_uids: dict[str, str] = field(default_factory=dict)  # per key: the uid of that epoch ("": any)
+    floor: int = 0  # the newest writer generation that verified this host (PartitionVerify)
+
+    def verify(self, gen: int) -> tuple[int, list[str]]:
+        """Raise the floor to ``gen``; the floor after it and the keys with a VM here."""
+        self.floor = max(self.floor, gen)
+        return self.floor, sorted({vm.key for vm in self.vms.values()})
 
     def execute(self, cmd: Command) -> CommandResult:
         """Measure, act on the difference, record by command id (answers redeliveries)."""
         done = self.results.get(cmd.id) if cmd.op != "survey" else None  # a survey is answered afresh
         if done is not None:
             return done
+        if cmd.gen < self.floor and cmd.op != "remove":
+            # an older writer's command after a newer one verified this host: not run, not stored
+            return CommandResult(cmd.fence, cmd.id, cmd.op, self.host, cmd.vm_id, "inconclusive",
+                                 error="older writer generation", floor=self.floor)
         vm = self.vms.get(cmd.vm_id)
         outcome = "ok"
         snapshot = None
@@ -153,7 +165,7 @@ class Agent:
 class Msg:
     """Something in flight: an input for the reconciler, or an effect waiting to be carried out."""
 
-    kind: str  # "input" | "command" | "confirm" | "write" | "timer"
+    kind: str  # "input" | "command" | "confirm" | "write" | "timer" | "verify" | "verified"
     key: str
     payload: object
 
@@ -177,6 +189,14 @@ class World:
         self.max_vms_per_key = 0
         self.faults: dict[str, int] = {}
         self.write_faults: list[str] = []  # queued outcomes forced on the next writes: conflict|lost
+        # partition verification (one partition: one writer for every key), as Partition does it:
+        # the writer's generation (+1 per restart), the hosts that answered at it, the keys they
+        # named, and the keys the restarted writer has not met yet (no entry in the log: its
+        # ``_slot`` decides their ``unverified`` when their first input comes)
+        self.gen = 1
+        self.verified: set[str] = set(HOSTS)
+        self.named: set[str] = set()
+        self.unmet: set[str] = set()
 
     # -------------------------------------------------------------- the user and Kubernetes
     def _observe(self, key: str, *, gone: bool = False) -> None:
@@ -294,6 +314,15 @@ class World:
             case "timer":
                 armed: TimerArmed = msg.payload  # type: ignore[assignment]
                 self.bag.append(Msg("input", msg.key, TimerFired(armed.fence, armed.timer_id)))
+            case "verify":
+                host, gen = msg.payload  # type: ignore[misc]
+                floor, named = self.agents[host].verify(gen)
+                self.bag.append(Msg("verified", "", (host, gen, floor, named)))
+            case "verified":
+                host, gen, floor, named = msg.payload  # type: ignore[misc]
+                if gen == self.gen and floor == gen:
+                    self.verified.add(host)
+                    self.named.update(named)
         self._check_oracle()
 
     def _write(self, key: str, w: KubeWrite) -> None:
@@ -327,7 +356,12 @@ class World:
             self.bag.append(Msg("input", key, WriteDone(w.fence, w.id, outcome)))  # type: ignore[arg-type]
 
     def _decide(self, key: str, inp: Input) -> None:
+        if isinstance(inp, CommandResult) and inp.floor > 0:
+            return  # refused for an older writer: the shell's, never decided (Partition._refused_below_floor)
         s = self.states[key]
+        if key in self.unmet:  # the restarted writer meets the key: Partition._slot
+            self.unmet.discard(key)
+            s.unverified = key in self.named or not self.verified >= set(HOSTS)
         decisions = decide(s, inp, self._env())
         if not decisions:
             return
@@ -353,13 +387,19 @@ class World:
     def crash_reconciler(self) -> None:
         """Lose everything in-process (pending reads, writes, timers), keep what is on the bus, and
         restart from the log: state re-folded, outbox effects carried out again (rule 11)."""
-        self.bag = [m for m in self.bag if m.kind in ("input", "command")]
+        self.bag = [m for m in self.bag if m.kind in ("input", "command", "verify")]
+        self.gen += 1
+        self.verified, self.named, self.unmet = set(), set(), set()
         for key in self.keys:
             self.states[key] = self._fold_log(key)
             # loaded from the log: whether the log lost a tail before the load (all of it, even)
             # cannot be known (Partition does the same), so its first VM waits for a survey
             self.states[key].unverified = True
+            if self.states[key].n == 0:
+                self.unmet.add(key)  # not in the log: met when its first input comes
             self._emit(key, list(self.states[key].outbox.values()))
+        for host in HOSTS:  # the new writer verifies every host, behind what is on its way there
+            self.bag.append(Msg("verify", "", (host, self.gen)))
 
     def _fold_log(self, key: str, upto: int | None = None) -> KeyState:
         s = KeyState(key=key)
@@ -440,7 +480,8 @@ class World:
         for d in effects:
             match d:
                 case Commanded(command=cmd):
-                    self.bag.append(Msg("command", key, cmd))
+                    # the sending writer's generation, stamped at send time (EffectRunner)
+                    self.bag.append(Msg("command", key, replace(cmd, gen=self.gen)))
                 case ConfirmRequested():
                     self.bag.append(Msg("confirm", key, d))
                 case WriteRequested(write=w):

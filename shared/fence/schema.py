@@ -167,6 +167,10 @@ class CommandResult(msgspec.Struct, tag="result", frozen=True, omit_defaults=Tru
     # the incarnation that epoch belongs to on this host ("": not known). Epochs are assigned once,
     # so a uid here other than the one the log gave ``key_epoch`` also proves lost entries.
     key_uid: str = ""
+    # > 0: not run, because a writer of this partition generation verified the host since the
+    # command's writer sent it (PartitionVerify). For the shell, never for decide: the writer of
+    # that generation sends its own copy of every command of its outbox (under a Msg-Id of its own)
+    floor: int = 0
     v: int = SCHEMA_VERSION
 
 

@@ -270,9 +270,10 @@ def _forgotten(s: KeyState, d: Forgotten) -> None:
     if s.cur is not None and s.cur.fence.uid == f.uid:
         s.cur = None
     # its writes and timers can no longer matter; its commands still can (a late result
-    # may move a VM's ownership), so they stay until answered
+    # may move a VM's ownership), so they stay until answered -- and so does a survey's retry:
+    # a survey belongs to the key, and a rebuilt or unverified key waits for its answers
     for eid, eff in list(s.outbox.items()):
-        if _effect_fence(eff) == f and not isinstance(eff, Commanded):
+        if _effect_fence(eff) == f and not isinstance(eff, Commanded) and not _is_survey(eff):
             del s.outbox[eid]
 
 

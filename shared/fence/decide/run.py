@@ -167,8 +167,10 @@ _CARRIES_SPEC: frozenset[CommandOp] = frozenset({"create", "start", "wake", "hib
 _CARRIES_SNAPSHOT: frozenset[CommandOp] = frozenset({"wake"})
 
 
-# ops a RetryTimer re-sends only while their fence is current (an inspect checks a binding)
-_RETRY_WHILE_CURRENT: frozenset[CommandOp] = frozenset({"inspect"})
+# ops a RetryTimer re-sends only while their fence is current: an inspect checks a binding, and
+# nothing may make, wake, snapshot or take over a VM for an incarnation that was superseded since
+# the first try went unanswered (a create refused inconclusive by a host a newer writer verified)
+_RETRY_WHILE_CURRENT: frozenset[CommandOp] = frozenset({"inspect", "create", "start", "wake", "hibernate", "adopt"})
 
 
 def _cur_of(s: KeyState, fence: Fence) -> Incarnation | None:

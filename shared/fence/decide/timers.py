@@ -57,10 +57,17 @@ def _timer_restart(run: _Run, fence: Fence, p: RestartTimer) -> None:
 
 
 def _timer_adopt(run: _Run, fence: Fence, p: AdoptTimer) -> None:
-    """Inspect again before adopting (rule 8)."""
+    """Inspect again before adopting (rule 8). If the incarnation it was for is being deleted (or
+    is gone) the VM was never taken over: it is collected under the fence that still owns it (an
+    adopt that did land after all makes the host refuse this remove and name its owner, whose
+    remove follows) -- never left half adopted beside a finished delete."""
     cur, rec = run.s.cur, run.s.vms.get(p.vm_id)
-    if cur is not None and rec is not None and not cur.deleting:
+    if rec is None:
+        return
+    if cur is not None and not cur.deleting:
         _command(run, "adopt", cur.fence, rec.host, p.vm_id, cur.spec)
+    elif rec.state == "adopting":
+        _command(run, "remove", rec.fence, rec.host, p.vm_id, None)
 
 
 def _rewrite_status(run: _Run, cur: Incarnation) -> None:

@@ -1,0 +1,215 @@
+"""The writer's half of partition verification, on a real nats-server: a key first seen after the
+load makes its first VM without a survey of its own only once every live host has answered this
+writer's PartitionVerify at its generation and none named the key. A stale, forged or truncated
+answer verifies nothing; a host that joins must answer before keys skip their survey again; a host
+above our generation makes us take a higher one; every command sent carries the generation."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+from nats.aio.msg import Msg
+from nats.js import api
+
+from services.reconciler.effects import EffectRunner
+from services.reconciler.kube import NullGateway
+from services.reconciler.partition import Partition
+from services.testbed.natsserver import NatsServer
+from shared.bus.connect import Bus
+from shared.bus.provision import StreamsConfig, provision
+from shared.fence.decide import DecideEnv, HostView
+from shared.fence.keys import Key
+from shared.fence.schema import (
+    H_KIND,
+    VERIFY_KIND,
+    Commanded,
+    CommandResult,
+    Observed,
+    PartitionVerified,
+    Spec,
+    decode_command,
+    decode_verify,
+    encode,
+)
+from shared.subjects import Subjects
+
+BOUND = Spec(node="vmfence-host-a")  # scheduled to host-a: its VM is made right after admission
+GEN = 7
+_durables = itertools.count()
+
+
+@pytest.fixture
+async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
+    b = await Bus.open(nats_server.url, name="test", subjects=Subjects(partitions=1))
+    await provision(b.js, b.subjects, StreamsConfig(partitions=1))
+    yield b
+    await b.close()
+
+
+class Fleet:
+    """The live hosts, as the hosts bucket would say them."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = list(names)
+
+    def env(self) -> DecideEnv:
+        return DecideEnv(hosts=[HostView(n, 64, 65536) for n in self.names])
+
+
+async def _partition(bus: Bus, fleet: Fleet, gateway: NullGateway, effects: EffectRunner | None = None) -> Partition:
+    part = Partition(0, js=bus.js, subjects=bus.subjects, writer="writer-1", effects=effects or
+                     EffectRunner(bus.js, bus.subjects, gateway), snapshots=None, env=fleet.env,
+                     confirm=gateway.confirm, gen=GEN)
+    await part.load()
+    return part
+
+
+async def _answer(bus: Bus, part: Partition, answer: PartitionVerified, *, on: str | None = None) -> None:
+    """Publish ``answer`` on the subject of host ``on`` (default: its own) and hand it to the partition."""
+    subject = bus.subjects.host_partition_report(0, on or answer.host)
+    psub = await bus.js.pull_subscribe(subject, durable=f"verify-test-{next(_durables)}", stream=bus.subjects.stream_in,
+                                       config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.NEW))
+    await bus.js.publish(subject, encode(answer))
+    msgs: list[Msg] = await psub.fetch(1, timeout=5)
+    await part.handle(msgs[0])
+    await psub.unsubscribe()
+
+
+async def _queue_of(bus: Bus, host: str) -> asyncio.Queue[Msg]:
+    """Every message published to ``host``'s command subject, as it is published."""
+    got: asyncio.Queue[Msg] = asyncio.Queue()
+
+    async def on_msg(msg: Msg) -> None:
+        got.put_nowait(msg)
+
+    await bus.nc.subscribe(bus.subjects.command(host), cb=on_msg)
+    return got
+
+
+def _ops(part: Partition, key: str) -> list[str]:
+    return sorted(e.command.op for e in part.keys[key].state.outbox.values() if isinstance(e, Commanded))
+
+
+async def _first_vm(part: Partition, gateway: NullGateway, key: str) -> list[str]:
+    """What the key's first input commands."""
+    gateway.objects[key] = ("uid-1", 1, BOUND)
+    assert await part.feed(key, Observed(key, "uid-1", 1, spec=BOUND))
+    return _ops(part, key)
+
+
+async def test_a_new_key_skips_its_survey_only_once_every_live_host_verified_the_partition(bus: Bus) -> None:
+    gateway, fleet = NullGateway(), Fleet("host-a", "host-b")
+    part = await _partition(bus, fleet, gateway)
+    asked = await _queue_of(bus, "host-a")
+    assert await part.ask_hosts() == ["host-a", "host-b"]
+    msg = await asyncio.wait_for(asked.get(), 5)
+    assert (msg.headers or {}).get(H_KIND) == VERIFY_KIND
+    ask = decode_verify(msg.data)
+    assert (ask.partition, ask.gen, ask.host, ask.writer) == (0, GEN, "host-a", "writer-1")
+    assert await part.ask_hosts() == [], "asked again within the retry period"
+
+    assert await _first_vm(part, gateway, "default/before") == ["survey", "survey"]  # nothing verified yet
+    await _answer(bus, part, PartitionVerified(0, GEN, GEN, "host-a", []))
+    assert part.verified == {"host-a"} and not part.partition_verified()
+    assert await _first_vm(part, gateway, "default/half") == ["survey", "survey"]  # host-b has not answered
+    await _answer(bus, part, PartitionVerified(0, GEN, GEN, "host-b", ["default/named"]))
+    assert part.partition_verified()
+    assert await _first_vm(part, gateway, "default/after") == ["create"]
+    # a key a host has a VM of (a lost tail's, maybe) still asks every host what it has
+    assert await _first_vm(part, gateway, "default/named") == ["survey", "survey"]
+    # a key that was first seen before verification stays unverified: its survey is out
+    assert part.keys["default/before"].state.unverified
+
+
+async def test_stale_forged_or_truncated_answers_verify_nothing(bus: Bus) -> None:
+    gateway, fleet = NullGateway(), Fleet("host-a")
+    part = await _partition(bus, fleet, gateway)
+    await _answer(bus, part, PartitionVerified(0, GEN - 1, GEN - 1, "host-a", []))  # an older lease's
+    await _answer(bus, part, PartitionVerified(0, GEN, GEN, "host-a", [], truncated=True))
+    assert not part.partition_verified()
+    dead = part.stats["dead_lettered"]
+    await _answer(bus, part, PartitionVerified(0, GEN, GEN, "host-a", []), on="host-b")  # host-b speaking for a
+    await _answer(bus, part, PartitionVerified(1, GEN, GEN, "host-a", []))  # another partition's
+    assert part.stats["dead_lettered"] == dead + 2
+    assert not part.partition_verified()
+    assert await _first_vm(part, gateway, "default/web") == ["survey"]
+
+
+async def test_a_host_that_joins_must_answer_before_keys_skip_their_survey_again(bus: Bus) -> None:
+    gateway, fleet = NullGateway(), Fleet("host-a")
+    part = await _partition(bus, fleet, gateway)
+    await part.ask_hosts()
+    await _answer(bus, part, PartitionVerified(0, GEN, GEN, "host-a", []))
+    assert part.partition_verified()
+    fleet.names.append("host-b")
+    assert not part.partition_verified()
+    assert await _first_vm(part, gateway, "default/joined") == ["survey", "survey"]
+    assert await part.ask_hosts() == ["host-b"]
+    # a host that leaves the live set answers again when it comes back
+    await _answer(bus, part, PartitionVerified(0, GEN, GEN, "host-b", []))
+    fleet.names.remove("host-a")
+    part._asked.clear()
+    await part.ask_hosts()
+    fleet.names.append("host-a")
+    assert not part.partition_verified()
+
+
+async def test_a_host_above_our_generation_makes_us_take_a_higher_one(bus: Bus) -> None:
+    gateway, fleet = NullGateway(), Fleet("host-a")
+    part = await _partition(bus, fleet, gateway)
+    await _answer(bus, part, PartitionVerified(0, GEN, GEN + 5, "host-a", []))
+    assert part.gen == GEN + 6 and not part.partition_verified()
+    assert await part.ask_hosts() == ["host-a"]
+
+
+async def test_every_command_carries_its_writers_generation(bus: Bus) -> None:
+    gateway, fleet = NullGateway(), Fleet("host-a")
+    parts: list[Partition] = []
+    effects = EffectRunner(bus.js, bus.subjects, gateway, gen=lambda p: parts[0].gen)
+    part = await _partition(bus, fleet, gateway, effects)
+    parts.append(part)
+    sent = await _queue_of(bus, "host-a")
+    runner = asyncio.create_task(effects.run())
+    try:
+        await _first_vm(part, gateway, "default/web")
+        cmd = decode_command((await asyncio.wait_for(sent.get(), 5)).data)
+        assert cmd.op == "survey" and cmd.gen == GEN
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+
+
+async def test_a_refusal_of_an_older_writers_copy_is_never_decided(bus: Bus) -> None:
+    """Our own copy of the command went out under our generation: a host's refusal of a
+    predecessor's copy (same command id) must not end the command in our log -- else the host's
+    answer to our copy, coming later, would find nothing to complete."""
+    gateway, fleet = NullGateway(), Fleet("host-a")
+    part = await _partition(bus, fleet, gateway)
+    await part.ask_hosts()
+    await _answer(bus, part, PartitionVerified(0, GEN, GEN, "host-a", []))
+    await _first_vm(part, gateway, "default/web")
+    (create,) = [e.command for e in part.keys["default/web"].state.outbox.values() if isinstance(e, Commanded)]
+    refused = CommandResult(create.fence, create.id, "create", "host-a", create.vm_id, "inconclusive",
+                            error="older generation", floor=GEN)
+    n = part.keys["default/web"].state.n
+    await _deliver_report(bus, part, refused)
+    state = part.keys["default/web"].state
+    assert state.n == n and create.id in state.outbox, "the refusal was decided"
+    assert part.stats["refused_below_floor"] == 1 and part.gen == GEN
+    # above our generation: we are the older writer; take a higher one and verify again
+    await _deliver_report(bus, part, msgspec.structs.replace(refused, floor=GEN + 3))
+    assert part.gen == GEN + 4 and not part.partition_verified()
+
+
+async def _deliver_report(bus: Bus, part: Partition, r: CommandResult) -> None:
+    subject = bus.subjects.host_report(Key.parse(r.fence.key), r.host)
+    psub = await bus.js.pull_subscribe(subject, durable=f"verify-test-{next(_durables)}", stream=bus.subjects.stream_in,
+                                       config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.NEW))
+    await bus.js.publish(subject, encode(r))
+    msgs: list[Msg] = await psub.fetch(1, timeout=5)
+    await part.handle(msgs[0])
+    await psub.unsubscribe()
