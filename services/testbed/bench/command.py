@@ -16,7 +16,18 @@ from services.testbed.output import emit
 from shared.bus.connect import Bus
 from shared.bus.provision import StreamsConfig, provision
 from shared.fence.keys import Key
-from shared.fence.schema import CommandResult, HostHeartbeat, Observed, Spec, decode_command, encode
+from shared.fence.schema import (
+    H_KIND,
+    VERIFY_KIND,
+    CommandResult,
+    HostHeartbeat,
+    Observed,
+    PartitionVerified,
+    Spec,
+    decode_command,
+    decode_verify,
+    encode,
+)
 from shared.subjects import Subjects
 from shared.tasks import run_main
 
@@ -111,6 +122,14 @@ async def answer_commands(bus: Bus, host: str, stop: asyncio.Event) -> int:
             continue
         acks = []
         for m in msgs:
+            if (m.headers or {}).get(H_KIND) == VERIFY_KIND:  # a partition's writer verifies this host
+                ask = decode_verify(m.data)
+                verified = PartitionVerified(ask.partition, ask.gen, ask.gen, host)
+                acks.append(await bus.js.publish_async(
+                    subjects.host_partition_report(ask.partition, host), encode(verified),
+                    headers={"Nats-Msg-Id": f"verified:{host}:{ask.partition}:{ask.gen}"},
+                ))
+                continue
             cmd = decode_command(m.data)
             res = CommandResult(cmd.fence, cmd.id, cmd.op, host, cmd.vm_id, "ok", ip="10.0.0.2")
             acks.append(
