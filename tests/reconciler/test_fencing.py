@@ -4,7 +4,6 @@ inputs go to the dead-letter stream and do not stop the partition."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -15,28 +14,18 @@ from services.reconciler.effects import EffectRunner
 from services.reconciler.kube import NullGateway
 from services.reconciler.partition import Partition
 from services.reconciler.snapshot import SnapshotStore
-from services.testbed.natsserver import NatsServer
 from shared.bus.connect import Bus
-from shared.bus.provision import StreamsConfig, provision
 from shared.bus.read import read_stream
 from shared.fence.audit import audit
 from shared.fence.decide import DecideEnv, HostView
 from shared.fence.keys import Key
 from shared.fence.schema import Observed, Spec, encode
-from shared.subjects import Subjects
 from tests.reconciler.helpers import log_entries, observe, per_key, wait_until
 
 # bound to its node (spec.nodeName), as a scheduled pod is: its VM is made right after admission
 BOUND = Spec(node="vmfence-host-a")
 ENV = DecideEnv(hosts=[HostView("host-a", 64, 65536)])
 
-
-@pytest.fixture
-async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
-    b = await Bus.open(nats_server.url, name="test", subjects=Subjects(partitions=1))
-    await provision(b.js, b.subjects, StreamsConfig(partitions=1))
-    yield b
-    await b.close()
 
 
 def _partition(bus: Bus, writer: str, gateway: NullGateway) -> Partition:

@@ -4,7 +4,6 @@ reason and counted, and the partition goes on with the next key (issue 10, findi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
@@ -15,9 +14,7 @@ from services.reconciler import metrics
 from services.reconciler.effects import EffectRunner
 from services.reconciler.kube import NullGateway
 from services.reconciler.partition import Partition
-from services.testbed.natsserver import NatsServer
 from shared.bus.connect import Bus
-from shared.bus.provision import StreamsConfig, provision
 from shared.bus.read import read_stream
 from shared.fence.decide import DecideEnv, HostView
 from shared.fence.keys import Key
@@ -46,13 +43,6 @@ from tests.reconciler.helpers import log_entries, observe, wait_until
 BOUND = Spec(node="vmfence-host-a")
 ENV = DecideEnv(hosts=[HostView("host-a", 64, 65536)])
 
-
-@pytest.fixture
-async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
-    b = await Bus.open(nats_server.url, name="test", subjects=Subjects(partitions=1))
-    await provision(b.js, b.subjects, StreamsConfig(partitions=1))
-    yield b
-    await b.close()
 
 
 def _partition(bus: Bus, gateway: NullGateway) -> Partition:

@@ -8,19 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
 
 import msgspec
-import pytest
 from nats.aio.msg import Msg
 from nats.js import api
 
 from services.reconciler.effects import EffectRunner
 from services.reconciler.kube import NullGateway
 from services.reconciler.partition import Partition
-from services.testbed.natsserver import NatsServer
 from shared.bus.connect import Bus
-from shared.bus.provision import StreamsConfig, provision
 from shared.fence.decide import DecideEnv, HostView
 from shared.fence.keys import Key
 from shared.fence.schema import (
@@ -35,19 +31,11 @@ from shared.fence.schema import (
     decode_verify,
     encode,
 )
-from shared.subjects import Subjects
 
 BOUND = Spec(node="vmfence-host-a")  # scheduled to host-a: its VM is made right after admission
 GEN = 7
 _durables = itertools.count()
 
-
-@pytest.fixture
-async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
-    b = await Bus.open(nats_server.url, name="test", subjects=Subjects(partitions=1))
-    await provision(b.js, b.subjects, StreamsConfig(partitions=1))
-    yield b
-    await b.close()
 
 
 class Fleet:
@@ -68,15 +56,19 @@ async def _partition(bus: Bus, fleet: Fleet, gateway: NullGateway, effects: Effe
     return part
 
 
-async def _answer(bus: Bus, part: Partition, answer: PartitionVerified, *, on: str | None = None) -> None:
-    """Publish ``answer`` on the subject of host ``on`` (default: its own) and hand it to the partition."""
-    subject = bus.subjects.host_partition_report(0, on or answer.host)
+async def _hand(bus: Bus, part: Partition, subject: str, payload: msgspec.Struct) -> None:
+    """Publish ``payload`` on ``subject`` (an input subject) and hand it to the partition as fetched."""
     psub = await bus.js.pull_subscribe(subject, durable=f"verify-test-{next(_durables)}", stream=bus.subjects.stream_in,
                                        config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.NEW))
-    await bus.js.publish(subject, encode(answer))
+    await bus.js.publish(subject, encode(payload))
     msgs: list[Msg] = await psub.fetch(1, timeout=5)
     await part.handle(msgs[0])
     await psub.unsubscribe()
+
+
+async def _answer(bus: Bus, part: Partition, answer: PartitionVerified, *, on: str | None = None) -> None:
+    """A host's answer, on the subject of host ``on`` (default: its own)."""
+    await _hand(bus, part, bus.subjects.host_partition_report(0, on or answer.host), answer)
 
 
 async def _queue_of(bus: Bus, host: str) -> asyncio.Queue[Msg]:
@@ -196,20 +188,12 @@ async def test_a_refusal_of_an_older_writers_copy_is_never_decided(bus: Bus) -> 
     refused = CommandResult(create.fence, create.id, "create", "host-a", create.vm_id, "inconclusive",
                             error="older generation", floor=GEN)
     n = part.keys["default/web"].state.n
-    await _deliver_report(bus, part, refused)
+    await _hand(bus, part, bus.subjects.host_report(Key.parse(create.fence.key), "host-a"), refused)
     state = part.keys["default/web"].state
     assert state.n == n and create.id in state.outbox, "the refusal was decided"
     assert part.stats["refused_below_floor"] == 1 and part.gen == GEN
     # above our generation: we are the older writer; take a higher one and verify again
-    await _deliver_report(bus, part, msgspec.structs.replace(refused, floor=GEN + 3))
+    await _hand(bus, part, bus.subjects.host_report(Key.parse(create.fence.key), "host-a"),
+                msgspec.structs.replace(refused, floor=GEN + 3))
     assert part.gen == GEN + 4 and not part.partition_verified()
 
-
-async def _deliver_report(bus: Bus, part: Partition, r: CommandResult) -> None:
-    subject = bus.subjects.host_report(Key.parse(r.fence.key), r.host)
-    psub = await bus.js.pull_subscribe(subject, durable=f"verify-test-{next(_durables)}", stream=bus.subjects.stream_in,
-                                       config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.NEW))
-    await bus.js.publish(subject, encode(r))
-    msgs: list[Msg] = await psub.fetch(1, timeout=5)
-    await part.handle(msgs[0])
-    await psub.unsubscribe()

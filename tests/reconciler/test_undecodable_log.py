@@ -6,7 +6,6 @@ inputs are dead-lettered with the reason, and the metrics count it (issue 10).""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -19,21 +18,10 @@ from services.reconciler.partition import Partition
 from services.reconciler.service import Reconciler
 from services.testbed.natsserver import NatsServer
 from shared.bus.connect import Bus
-from shared.bus.provision import StreamsConfig, provision
 from shared.bus.read import StoredMsg, read_stream
 from shared.fence.keys import Key
 from shared.fence.schema import Admitted, Commanded, LogEntry, Spec, decode_entry, encode
 from tests.reconciler.helpers import heartbeat, observe, wait_until
-
-
-@pytest.fixture
-async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
-    from shared.subjects import Subjects
-
-    b = await Bus.open(nats_server.url, name="test", subjects=Subjects(partitions=1))
-    await provision(b.js, b.subjects, StreamsConfig(partitions=1))
-    yield b
-    await b.close()
 
 
 def _reconciler(url: str, data_dir: Path, gateway: NullGateway) -> Reconciler:
