@@ -49,7 +49,15 @@ class _Fire:
     timer: TimerArmed
 
 
-Work = Effect | _Fire
+@dataclass(frozen=True)
+class Resend:
+    """A command of the outbox sent again under a Msg-Id of this writer's generation: a host
+    refused a predecessor's copy of it (same id) that the stream's dedupe let stand for ours."""
+
+    commanded: Commanded
+
+
+Work = Effect | _Fire | Resend
 
 
 class EffectRunner:
@@ -177,11 +185,16 @@ class EffectRunner:
     async def _execute(self, key: Key, work: Work) -> None:
         start = time.perf_counter()
         kind = type(work).__name__
+        resend = isinstance(work, Resend)
+        if isinstance(work, Resend):
+            work = work.commanded
         match work:
             case Commanded(command=cmd):
                 # the writer that sends a command vouches for it now (after a handover, the new
-                # writer re-sends its log's outbox): it carries this writer's generation, and its
-                # Msg-Id names it, so a predecessor's copy still queued never hides this one
+                # writer re-sends its log's outbox): it carries this writer's generation. Its
+                # Msg-Id is the command's id, so a predecessor's copy still queued (the same
+                # command, decided in the same log) stands for it; if a host refuses that copy for
+                # its generation, ours goes again under a Msg-Id naming ours (Resend)
                 gen = self.gen(self.subjects.partition(key))
                 payload = encode(msgspec.structs.replace(cmd, gen=gen))
                 if len(payload) > MAX_COMMAND_BYTES:
@@ -193,7 +206,7 @@ class EffectRunner:
                     await self._outcome(key, failed, f"{key}|{cmd.id}|too-large")
                     return
                 await publish_input(self.js, self.subjects.command(cmd.host), payload,
-                                    msg_id=f"{cmd.id}@{gen}" if gen else cmd.id)
+                                    msg_id=f"{cmd.id}@{gen}" if resend else cmd.id)
                 kind = f"command_{cmd.op}"
             case ConfirmRequested(request=req):
                 read = await self.gateway.confirm(key, req)

@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from services.reconciler import metrics
-from services.reconciler.effects import EffectRunner
+from services.reconciler.effects import EffectRunner, Resend
 from services.reconciler.entries import KeyWriter, input_kind, key_of, lost_folded
 from services.reconciler.inventory import InventoryIndex
 from services.reconciler.keytable import KeySlot
@@ -39,6 +39,7 @@ from shared.fence.schema import (
     MAX_INPUT_BYTES,
     SCHEMA_VERSION,
     VERIFY_KIND,
+    Commanded,
     CommandResult,
     ConfirmedRead,
     Input,
@@ -356,14 +357,21 @@ class Partition(KeyWriter):
         for slot in self.keys.values():
             self._owe(slot)
 
-    async def _refused_below_floor(self, r: CommandResult) -> None:
+    async def _refused_below_floor(self, key: str, r: CommandResult) -> None:
         """A host refused a command sent under an older generation than its floor. Never decided:
-        every command of our log's outbox went out again under our generation at the load (and a
-        lost race or a handover re-sends it), so our own copy is answered on its own -- this answer
-        says nothing about it. Above our generation, we are the older writer."""
+        it says nothing of the command but that this copy did not run. If the command is in our
+        outbox, the stream may have taken the predecessor's copy for ours (same Msg-Id): ours goes
+        again under a Msg-Id of our generation. Above our generation, we are the older writer."""
         self.stats["refused_below_floor"] += 1
-        if r.floor > self.gen and self.held:
+        if not self.held:
+            return
+        if r.floor > self.gen:
             self._outgrown(r.host, r.floor)
+            return
+        slot = self.keys.get(key)
+        pending = slot.state.outbox.get(r.command_id) if slot is not None else None
+        if isinstance(pending, Commanded) and pending.command.host == r.host:
+            self.effects.submit(key, Resend(pending))
 
     async def _verified_answer(self, msg: Msg, p: int, sender: str) -> None:
         """A host's answer to our PartitionVerify."""
@@ -631,7 +639,7 @@ class Partition(KeyWriter):
             await self._dead_letter(msg, self._quarantined_reason(key))
             return
         if isinstance(inp, CommandResult) and inp.floor > 0:
-            await self._refused_below_floor(inp)
+            await self._refused_below_floor(key, inp)
             with contextlib.suppress(nats.errors.Error):
                 await msg.ack()
             return

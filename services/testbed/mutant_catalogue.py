@@ -642,6 +642,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/reconciler/test_partition_verify.py",),
     ),
     Mutant(
+        "partition-never-resends-a-refused-command", PARTITION_PY,
+        "            self.effects.submit(key, Resend(pending))\n",
+        "            pass\n",
+        "rule 11: a command of our outbox whose predecessor's copy (same Msg-Id) a host refused for "
+        "its generation goes again under ours, or it would never be answered",
+        ("tests/reconciler/test_partition_verify.py",),
+    ),
+    Mutant(
         "agent-ignores-the-partition-floor", EXECUTOR,
         "            why = floor_verdict(cmd.op, cmd.gen, floor)\n",
         "            why = None\n",

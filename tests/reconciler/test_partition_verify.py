@@ -175,25 +175,39 @@ async def test_every_command_carries_its_writers_generation(bus: Bus) -> None:
         await asyncio.gather(runner, return_exceptions=True)
 
 
-async def test_a_refusal_of_an_older_writers_copy_is_never_decided(bus: Bus) -> None:
-    """Our own copy of the command went out under our generation: a host's refusal of a
-    predecessor's copy (same command id) must not end the command in our log -- else the host's
-    answer to our copy, coming later, would find nothing to complete."""
+async def test_a_refusal_of_an_older_writers_copy_is_never_decided_and_ours_goes_again(bus: Bus) -> None:
+    """A host's refusal of a predecessor's copy of a command (same id; the stream's dedupe may have
+    let it stand for ours) must not end the command in our log -- else the answer to our copy
+    would find nothing to complete. Our copy goes again under a Msg-Id naming our generation."""
     gateway, fleet = NullGateway(), Fleet("host-a")
-    part = await _partition(bus, fleet, gateway)
-    await part.ask_hosts()
-    await _answer(bus, part, PartitionVerified(0, GEN, GEN, "host-a", []))
-    await _first_vm(part, gateway, "default/web")
-    (create,) = [e.command for e in part.keys["default/web"].state.outbox.values() if isinstance(e, Commanded)]
-    refused = CommandResult(create.fence, create.id, "create", "host-a", create.vm_id, "inconclusive",
-                            error="older generation", floor=GEN)
-    n = part.keys["default/web"].state.n
-    await _hand(bus, part, bus.subjects.host_report(Key.parse(create.fence.key), "host-a"), refused)
-    state = part.keys["default/web"].state
-    assert state.n == n and create.id in state.outbox, "the refusal was decided"
-    assert part.stats["refused_below_floor"] == 1 and part.gen == GEN
-    # above our generation: we are the older writer; take a higher one and verify again
-    await _hand(bus, part, bus.subjects.host_report(Key.parse(create.fence.key), "host-a"),
-                msgspec.structs.replace(refused, floor=GEN + 3))
-    assert part.gen == GEN + 4 and not part.partition_verified()
-
+    parts: list[Partition] = []
+    effects = EffectRunner(bus.js, bus.subjects, gateway, gen=lambda p: parts[0].gen)
+    part = await _partition(bus, fleet, gateway, effects)
+    parts.append(part)
+    sent = await _queue_of(bus, "host-a")
+    runner = asyncio.create_task(effects.run())
+    try:
+        await part.ask_hosts()
+        await asyncio.wait_for(sent.get(), 5)  # the verify
+        await _answer(bus, part, PartitionVerified(0, GEN, GEN, "host-a", []))
+        await _first_vm(part, gateway, "default/web")
+        first = await asyncio.wait_for(sent.get(), 5)
+        create = decode_command(first.data)
+        assert create.op == "create" and (first.headers or {})["Nats-Msg-Id"] == create.id
+        refused = CommandResult(create.fence, create.id, "create", "host-a", create.vm_id, "inconclusive",
+                                error="older generation", floor=GEN)
+        n = part.keys["default/web"].state.n
+        report = bus.subjects.host_report(Key.parse(create.fence.key), "host-a")
+        await _hand(bus, part, report, refused)
+        state = part.keys["default/web"].state
+        assert state.n == n and create.id in state.outbox, "the refusal was decided"
+        again = await asyncio.wait_for(sent.get(), 5)
+        assert decode_command(again.data).id == create.id
+        assert (again.headers or {})["Nats-Msg-Id"] == f"{create.id}@{GEN}"
+        assert part.stats["refused_below_floor"] == 1 and part.gen == GEN
+        # above our generation: we are the older writer; take a higher one and verify again
+        await _hand(bus, part, report, msgspec.structs.replace(refused, floor=GEN + 3))
+        assert part.gen == GEN + 4 and not part.partition_verified()
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
