@@ -7,7 +7,9 @@ above our generation makes us take a higher one; every command sent carries the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+from collections.abc import AsyncIterator
 
 import msgspec
 from nats.aio.msg import Msg
@@ -158,35 +160,35 @@ async def test_a_host_above_our_generation_makes_us_take_a_higher_one(bus: Bus) 
     assert await part.ask_hosts() == ["host-a"]
 
 
-async def test_every_command_carries_its_writers_generation(bus: Bus) -> None:
-    gateway, fleet = NullGateway(), Fleet("host-a")
+@contextlib.asynccontextmanager
+async def _sending(bus: Bus, gateway: NullGateway) -> AsyncIterator[tuple[Partition, asyncio.Queue[Msg]]]:
+    """A partition of one live host whose effects are carried out, and what it sends that host."""
     parts: list[Partition] = []
     effects = EffectRunner(bus.js, bus.subjects, gateway, gen=lambda p: parts[0].gen)
-    part = await _partition(bus, fleet, gateway, effects)
-    parts.append(part)
+    parts.append(await _partition(bus, Fleet("host-a"), gateway, effects))
     sent = await _queue_of(bus, "host-a")
     runner = asyncio.create_task(effects.run())
     try:
-        await _first_vm(part, gateway, "default/web")
-        cmd = decode_command((await asyncio.wait_for(sent.get(), 5)).data)
-        assert cmd.op == "survey" and cmd.gen == GEN
+        yield parts[0], sent
     finally:
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
+
+
+async def test_every_command_carries_its_writers_generation(bus: Bus) -> None:
+    gateway = NullGateway()
+    async with _sending(bus, gateway) as (part, sent):
+        await _first_vm(part, gateway, "default/web")
+        cmd = decode_command((await asyncio.wait_for(sent.get(), 5)).data)
+        assert cmd.op == "survey" and cmd.gen == GEN
 
 
 async def test_a_refusal_of_an_older_writers_copy_is_never_decided_and_ours_goes_again(bus: Bus) -> None:
     """A host's refusal of a predecessor's copy of a command (same id; the stream's dedupe may have
     let it stand for ours) must not end the command in our log -- else the answer to our copy
     would find nothing to complete. Our copy goes again under a Msg-Id naming our generation."""
-    gateway, fleet = NullGateway(), Fleet("host-a")
-    parts: list[Partition] = []
-    effects = EffectRunner(bus.js, bus.subjects, gateway, gen=lambda p: parts[0].gen)
-    part = await _partition(bus, fleet, gateway, effects)
-    parts.append(part)
-    sent = await _queue_of(bus, "host-a")
-    runner = asyncio.create_task(effects.run())
-    try:
+    gateway = NullGateway()
+    async with _sending(bus, gateway) as (part, sent):
         await part.ask_hosts()
         await asyncio.wait_for(sent.get(), 5)  # the verify
         await _answer(bus, part, PartitionVerified(0, GEN, GEN, "host-a", []))
@@ -208,6 +210,3 @@ async def test_a_refusal_of_an_older_writers_copy_is_never_decided_and_ours_goes
         # above our generation: we are the older writer; take a higher one and verify again
         await _hand(bus, part, report, msgspec.structs.replace(refused, floor=GEN + 3))
         assert part.gen == GEN + 4 and not part.partition_verified()
-    finally:
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
