@@ -61,6 +61,7 @@ from services.agent.runtime import (
     VMGoneEvent,
     make_driver,
 )
+from services.agent.verify import Verifier
 from shared.bus.append import AppendFailed, publish_input
 from shared.bus.connect import Bus, NatsAuthError
 from shared.bus.deadletter import dead_letter
@@ -70,19 +71,16 @@ from shared.config import EXIT_CONFIG, start
 from shared.fence.keys import Key, encode_token
 from shared.fence.schema import (
     H_KIND,
-    MAX_GEN,
     VERIFY_KIND,
     Command,
     CommandResult,
     Fence,
     HostHeartbeat,
     Inventoried,
-    PartitionVerify,
     ProbeChanged,
     VMExited,
     VMGone,
     decode_command,
-    decode_verify,
     encode,
 )
 from shared.httpserve import HealthServer
@@ -171,6 +169,7 @@ class Agent:
             taps=config.runtime == "qemu", host_prefix=SIM_HOST_PREFIX if sim_pool else HOST_PREFIX,
         )
         self.collector: Collector | None = None
+        self.verifier: Verifier | None = None
         self.kubelet: KubeletServer | None = None
 
     @property
@@ -233,6 +232,12 @@ class Agent:
                 network=self.network if self.network.enabled else None, partitions=cfg.partitions,
             )
             self.collector = Collector(self.executor, self.metrics, grace_s=cfg.collect_grace)
+            self.verifier = Verifier(
+                self.executor, self.subjects, self.metrics, publish=self._publish_verified,
+                keepalive=self._keepalive, ack=self._ack,
+                nak=lambda m: self._nak(m, self._retry_delay(m)), dead_letter=self._dead_letter,
+                msg_id=lambda ask: f"verified:{cfg.host}:{ask.partition}:{ask.gen}:{self.boot}:{self._next_id()}",
+            )
             await self.executor.reserve_runtime_addresses()  # before any command can allocate one
             self.prober = Prober(self.ledger, driver, cfg.host, self._publish_probe,
                                  interval=cfg.probe_interval, timeout=cfg.probe_timeout,
@@ -427,6 +432,10 @@ class Agent:
         await publish_input(self.bus.js, subject, encode(payload), msg_id=msg_id)
         self.metrics.reports.labels(kind=kind).inc()
 
+    async def _publish_verified(self, subject: str, data: bytes, msg_id: str) -> None:
+        assert self.bus is not None
+        await publish_input(self.bus.js, subject, data, msg_id=msg_id)
+
     async def _publish_probe(self, p: ProbeChanged) -> None:
         f = p.fence
         msg_id = f"probe:{self.config.host}:{p.vm_id}:{f.uid}:{f.epoch}:{self.boot}:{self._next_id()}"
@@ -455,7 +464,8 @@ class Agent:
                     continue
                 for msg in msgs:  # tasks start in order: per-VM locks are taken in stream order
                     if (msg.headers or {}).get(H_KIND) == VERIFY_KIND:
-                        t = tg.create_task(self._verify(msg, before=set(inflight)))
+                        assert self.verifier is not None
+                        t = tg.create_task(self.verifier.handle(msg, before=set(inflight)))
                     else:
                         t = tg.create_task(self._handle(msg))
                     inflight.add(t)
@@ -501,50 +511,6 @@ class Agent:
             log.warning("result not published (%r); redelivery will republish it", e, extra=cmd_fields(cmd))
             await self._nak(msg, self._retry_delay(msg))
             return
-        await self._ack(msg)
-
-    def _verify_ask(self, data: bytes) -> PartitionVerify:
-        """The PartitionVerify in ``data``; ValueError (with why) for anything no retry fixes."""
-        ask = decode_verify(data)
-        if ask.host != self.config.host:
-            raise ValueError(f"partition verify for host {ask.host!r} delivered to {self.config.host!r}")
-        if not 0 <= ask.partition < self.config.partitions:
-            raise ValueError(f"partition {ask.partition} out of range 0..{self.config.partitions - 1}")
-        if not 0 < ask.gen <= MAX_GEN:
-            raise ValueError(f"generation {ask.gen} out of range 1..{MAX_GEN}")
-        return ask
-
-    async def _verify(self, msg: Msg, *, before: set[asyncio.Task[None]]) -> None:
-        """A partition's writer verifies this host (PartitionVerify). The floor rises in memory
-        before anything handed out after this message is checked; the commands handed out before
-        it finish first, so the keys named include whatever they made."""
-        assert self.executor is not None and self.bus is not None
-        try:
-            ask = self._verify_ask(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-            await self._dead_letter(msg, f"malformed partition verify: {e}")
-            return
-        self.ledger.lift_floor(ask.partition, ask.gen)
-        keepalive = asyncio.create_task(self._keepalive(msg))  # owned: cancelled in finally
-        try:
-            if before:
-                await asyncio.wait(before)
-            answer = await self.executor.verify(ask)
-            subject = self.subjects.host_partition_report(ask.partition, self.config.host)
-            msg_id = f"verified:{self.config.host}:{ask.partition}:{ask.gen}:{self.boot}:{self._next_id()}"
-            await publish_input(self.bus.js, subject, encode(answer), msg_id=msg_id)
-        except Exception as e:  # the ledger or the bus: the writer asks again, and so does a redelivery
-            log.warning("partition %d not verified (%r); redelivering", ask.partition, e,
-                        extra={"host": self.config.host, "partition": ask.partition})
-            self.metrics.commands.labels(op="verify", result="failed").inc()
-            await self._nak(msg, self._retry_delay(msg))
-            return
-        finally:
-            keepalive.cancel()
-        self.metrics.commands.labels(op="verify", result="ok").inc()
-        log.info("partition %d verified for its writer of generation %d: %d keys with a VM here%s",
-                 ask.partition, ask.gen, len(answer.keys), " (truncated)" if answer.truncated else "",
-                 extra={"host": self.config.host, "partition": ask.partition, "writer": ask.writer})
         await self._ack(msg)
 
     def _retry_delay(self, msg: Msg) -> float:
