@@ -26,8 +26,9 @@ def _qemu_usable() -> bool:
 
 CHAOS_S, SETTLE_S = 20, 60
 RECHECK_S = 25 + 60  # the command's second look at an end state an inventory has yet to clean
+MIN_KILLS, EXTRA_S = 3, 20  # the window stays open until 3 kills happened (slow restarts on a busy machine)
 MARGIN_S = 40  # starting (a 3-node cluster, processes, QEMU's accel probe) and stopping everything
-RUN_LIMIT_S = CHAOS_S + SETTLE_S + RECHECK_S + MARGIN_S
+RUN_LIMIT_S = CHAOS_S + EXTRA_S + SETTLE_S + RECHECK_S + MARGIN_S
 
 
 def _text(output: bytes | str | None) -> str:
@@ -41,7 +42,7 @@ def _run(tmp_path: Path, runtime: str) -> dict[str, Any]:
     try:
         out = subprocess.run(
             [sys.executable, "-m", "services.cli", "chaos", "--processes", "--minutes", str(CHAOS_S / 60),
-             "--runtime", runtime, "--kill-every", "3", "--json", "--dir", str(run_dir),
+             "--runtime", runtime, "--kill-every", "3", "--min-kills", str(MIN_KILLS), "--json", "--dir", str(run_dir),
              "--settle-timeout", str(SETTLE_S)],
             capture_output=True, text=True, cwd=ROOT, timeout=RUN_LIMIT_S,
         )  # fmt: skip
@@ -65,7 +66,7 @@ def _assert_invariants(result: dict[str, Any], runtime: str) -> None:
     assert result["pods_without_vm"] == []
     assert result["max_vms_per_key"] == 1
     assert result["max_vms_per_incarnation"] == 1
-    assert result["kills_total"] >= 3, result["kills"]
+    assert result["kills_total"] >= MIN_KILLS, result["kills"]
     assert result["pods_churned"] >= 10, result["ops"]
     assert result["oracle_samples"] > 50
     assert result["qemu_killed_at_end"] == 0  # agents with --cleanup-on-stop removed every VM

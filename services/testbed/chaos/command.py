@@ -34,6 +34,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--runtime", default="auto", choices=["auto", "sim", "qemu"])
     p.add_argument("--pods", type=int, default=6, help="pod names that churn")
     p.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between SIGKILLs")
+    p.add_argument("--min-kills", type=int, default=0,
+                   help="(--processes) keep faults and churn going past --minutes until this many SIGKILLs happened "
+                        "(at most 30 s longer per kill asked for)")
     p.add_argument("--churn-every", type=float, default=1.0, help="mean seconds between pod operations")
     p.add_argument("--stale-reads", type=int, default=3, help="API server lagging-cache depth during churn (0: off)")
     p.add_argument("--settle-timeout", type=float, default=180.0, help="seconds allowed to quiesce at the end")

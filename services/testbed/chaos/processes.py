@@ -36,6 +36,7 @@ from shared.tasks import cancel_and_wait
 
 PARTITIONS = 8
 LEASE_TTL_S = 3.0
+MIN_KILL_WAIT_S = 30.0  # the longest --min-kills stretches the chaos window, per kill asked for
 QUIET_S = 5.0  # no new log entry for this long (with zero lag) = quiescent
 
 
@@ -77,6 +78,7 @@ class ProcessChaos:
         self.rng_seed = seed
         self.rng = random.Random(seed)
         self._stop_faults = asyncio.Event()
+        self._enough_kills = asyncio.Event()  # --min-kills reached: the chaos window may close
         self._busy = asyncio.Lock()  # one component down at a time: the killer and the reviver take it
 
     def say(self, text: str) -> None:
@@ -258,6 +260,8 @@ class ProcessChaos:
                 return
             async with self._busy:
                 await self._kill_and_restart(self.rng.choice(self._components()))
+            if sum(self.kills.values()) >= self.args.min_kills:
+                self._enough_kills.set()
 
     async def reviver(self) -> None:
         """A component that exits on its own is a finding: record it, keep the system whole."""
@@ -468,6 +472,9 @@ class ProcessChaos:
             chaos_t0 = time.monotonic()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop_faults.wait(), self.args.minutes * 60)
+            if self.args.min_kills > 0:  # slow restarts must not leave a short window with too few faults
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._enough_kills.wait(), self.args.min_kills * MIN_KILL_WAIT_S)
             self._stop_faults.set()
             await asyncio.gather(churn, killer)  # the killer finishes its restart first
             result["chaos_seconds"] = round(time.monotonic() - chaos_t0, 1)
