@@ -75,6 +75,11 @@ INVENTORY_SWEEP_S = 30.0
 # a host that joins the live set is asked within it. Until every live host has answered, keys first
 # seen survey the hosts one by one, as they did before partition verification existed.
 VERIFY_RETRY_S = 2.0
+# For this long after a partition is taken, inputs of keys first seen wait (unacked, in order) for
+# the writer's verification instead of each sending a survey to every host: a survey costs the same
+# round trip to each host as the verification, plus a command, an answer and an entry per host and
+# key. A verification that has not finished by then (a host slow or gone) lets them go on as before.
+NEW_KEY_HOLD_S = 2 * VERIFY_RETRY_S
 # A quarantined key's log is read again this often: once an operator has removed the entry that
 # does not decode (docs/operations.md#vmfencekeyquarantined), the key is loaded and goes on.
 QUARANTINE_RECHECK_S = INVENTORY_SWEEP_S
@@ -124,6 +129,11 @@ class Partition(KeyWriter):
         self.verified: set[str] = set()  # live hosts that answered our PartitionVerify at ``gen``
         self._named: set[str] = set()  # keys those hosts said they have a VM of
         self._asked: dict[str, float] = {}  # host -> when it was last asked (loop time)
+        # inputs of keys first seen before the partition was verified, in arrival order, held until
+        # it is (or until ``_hold_until``, loop time; 0: nothing is held) -- see NEW_KEY_HOLD_S
+        self._held_inputs: dict[str, list[tuple[Input, Msg]]] = {}
+        self._hold_until = 0.0
+        self._verified_now = asyncio.Event()
         self.js = js
         self.subjects = subjects
         self.writer = writer
@@ -400,6 +410,7 @@ class Partition(KeyWriter):
                 self._named.update(answer.keys)
                 self.verified.add(sender)
                 if self.partition_verified():
+                    self._verified_now.set()
                     log.info("partition verified by every live host at generation %d", self.gen,
                              extra={"partition": self.p})
         with contextlib.suppress(nats.errors.Error):
@@ -483,8 +494,10 @@ class Partition(KeyWriter):
             tail = tg.create_task(self._keep(self._tail_foreign, "log tail"))
             sweep = tg.create_task(self._keep(self._sweep, "inventory sweep"))
             verify = tg.create_task(self._keep(self._verify_hosts, "partition verification"))
+            self.hold_new_keys()
+            held = tg.create_task(self.release_held())
             await self._keep(self._consume, "consumer")
-            await cancel_and_wait([tail, sweep, verify], what="log tail")
+            await cancel_and_wait([tail, sweep, verify, held], what="log tail")
 
     async def _keep(self, loop: Callable[[], Awaitable[None]], what: str) -> None:
         while self.held:
@@ -644,6 +657,16 @@ class Partition(KeyWriter):
                 await msg.ack()
             return
         lacking = self.inventory.note(key, inp) if isinstance(inp, Inventoried) else []
+        if key in self._held_inputs or (key not in self.keys and self._holding()):
+            # (no await between the check and the append: a key's inputs are held in arrival order)
+            self._held_inputs.setdefault(key, []).append((inp, msg))
+        else:
+            await self._decide_input(key, inp, msg)
+        for other, vm_id, host, round_id in lacking:
+            await self._absent(other, vm_id, host, round_id)
+
+    async def _decide_input(self, key: str, inp: Input, msg: Msg) -> None:
+        """Decide one input of the bus and ack it once decided."""
         slot = self._slot(key)
         try:
             done = await self._decide_waiting(slot, inp, msg)
@@ -659,8 +682,44 @@ class Partition(KeyWriter):
         if done:
             with contextlib.suppress(nats.errors.Error):
                 await msg.ack()
-        for other, vm_id, host, round_id in lacking:
-            await self._absent(other, vm_id, host, round_id)
+
+    # ------------------------------------------------- new keys wait for the partition's verification
+    def hold_new_keys(self, seconds: float = NEW_KEY_HOLD_S) -> None:
+        """From now, for at most ``seconds``, inputs of keys first seen wait for this writer's
+        verification of the partition (see NEW_KEY_HOLD_S); ``release_held`` lets them go."""
+        if self.gen > 0 and not self.partition_verified():
+            self._hold_until = asyncio.get_running_loop().time() + seconds
+
+    def _holding(self) -> bool:
+        return self._hold_until > 0 and asyncio.get_running_loop().time() < self._hold_until
+
+    async def release_held(self) -> None:
+        """Wait until the partition is verified or the hold ends, then decide what was held: each
+        key's inputs in order (a key's later inputs keep joining its queue until it is empty), the
+        keys side by side. Held once per lease: a host that joins later is surveyed per key."""
+        remaining = self._hold_until - asyncio.get_running_loop().time()
+        if remaining > 0 and not self.partition_verified():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._verified_now.wait(), remaining)
+        self._hold_until = 0.0
+        if self._held_inputs:
+            self.stats["held_keys"] += len(self._held_inputs)
+            log.info("partition %s: deciding %d new keys that waited for it", "verified" if
+                     self.partition_verified() else "not verified in time", len(self._held_inputs),
+                     extra={"partition": self.p})
+        async with asyncio.TaskGroup() as tg:
+            for key in list(self._held_inputs):
+                tg.create_task(self._decide_held(key))
+
+    async def _decide_held(self, key: str) -> None:
+        queue = self._held_inputs[key]
+        while queue:
+            inp, msg = queue.pop(0)
+            try:
+                await self._decide_input(key, inp, msg)
+            except Exception as exc:  # as _handle_released: not acked, redelivered
+                log.warning("input not handled, left for redelivery: %r", exc, extra={"key": key, "partition": self.p})
+        del self._held_inputs[key]
 
     # ------------------------------------------------------------ inventories against the log
     async def sweep_inventory(self, live_hosts: set[str]) -> int:

@@ -650,6 +650,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/reconciler/test_partition_verify.py",),
     ),
     Mutant(
+        "partition-decides-held-inputs-out-of-order", PARTITION_PY,
+        "            inp, msg = queue.pop(0)\n",
+        "            inp, msg = queue.pop()\n",
+        "rule 1: a key's inputs held while its partition is verified are decided in arrival order, as "
+        "its single writer would have decided them",
+        ("tests/reconciler/test_partition_verify.py",),
+    ),
+    Mutant(
+        "partition-holds-no-new-key", PARTITION_PY,
+        "        if key in self._held_inputs or (key not in self.keys and self._holding()):\n",
+        "        if key in self._held_inputs:\n",
+        "throughput, not safety: a key first seen while its partition is verified waits for the "
+        "verification instead of surveying every host (the survey stays correct, and is the fallback)",
+        ("tests/reconciler/test_partition_verify.py",),
+    ),
+    Mutant(
         "agent-ignores-the-partition-floor", EXECUTOR,
         "            why = floor_verdict(cmd.op, cmd.gen, floor)\n",
         "            why = None\n",

@@ -26,6 +26,7 @@ from shared.fence.schema import (
     VERIFY_KIND,
     Commanded,
     CommandResult,
+    LogEntry,
     Observed,
     PartitionVerified,
     Spec,
@@ -33,6 +34,7 @@ from shared.fence.schema import (
     decode_verify,
     encode,
 )
+from tests.reconciler.helpers import log_entries
 
 BOUND = Spec(node="vmfence-host-a")  # scheduled to host-a: its VM is made right after admission
 GEN = 7
@@ -210,3 +212,48 @@ async def test_a_refusal_of_an_older_writers_copy_is_never_decided_and_ours_goes
         # above our generation: we are the older writer; take a higher one and verify again
         await _hand(bus, part, report, msgspec.structs.replace(refused, floor=GEN + 3))
         assert part.gen == GEN + 4 and not part.partition_verified()
+
+
+def _decisions(part: Partition, entries: list[tuple[int, LogEntry]], key: str) -> list[str]:
+    return [type(d).__name__ for _, e in entries if e.key == key for d in e.decisions]
+
+
+async def test_a_new_keys_inputs_wait_for_the_verification_in_order_and_make_no_survey(bus: Bus) -> None:
+    """Inputs of keys first seen right after the partition is taken are held (unacked) until every
+    live host has verified it; then each key's inputs are decided in arrival order, without a
+    survey of every host per key."""
+    gateway, fleet = NullGateway(), Fleet("host-a")
+    part = await _partition(bus, fleet, gateway)
+    gateway.objects["default/early"] = ("uid-1", 1, BOUND)
+    part.hold_new_keys(30)
+    release = asyncio.create_task(part.release_held())
+    key = Key("pod", "default", "early")
+    await _hand(bus, part, bus.subjects.observation(key), Observed(str(key), "uid-1", 1, spec=BOUND))
+    await _hand(bus, part, bus.subjects.observation(key), Observed(str(key), "uid-1", 2, deleting=True, spec=BOUND))
+    assert str(key) not in part.keys and len(part._held_inputs[str(key)]) == 2, "decided before verification"
+    assert not release.done()
+    await _answer(bus, part, PartitionVerified(0, GEN, GEN, "host-a", []))
+    await asyncio.wait_for(release, 5)
+    assert part._held_inputs == {} and part.stats["held_keys"] == 1
+    decided = _decisions(part, await log_entries(bus), str(key))
+    assert "Admitted" in decided and "DeleteClaimed" in decided, decided
+    assert decided.index("Admitted") < decided.index("DeleteClaimed"), f"decided out of arrival order: {decided}"
+    commanded = [d.command.op for _, e in await log_entries(bus) if e.key == str(key)
+                 for d in e.decisions if isinstance(d, Commanded)]
+    assert "survey" not in commanded, commanded
+    # once released, a key first seen is decided at once (verified: no survey)
+    assert await _first_vm(part, gateway, "default/later") == ["create"]
+
+
+async def test_held_keys_survey_every_host_when_the_verification_does_not_come_in_time(bus: Bus) -> None:
+    gateway, fleet = NullGateway(), Fleet("host-a")
+    part = await _partition(bus, fleet, gateway)
+    gateway.objects["default/late"] = ("uid-1", 1, BOUND)
+    part.hold_new_keys(0.3)
+    release = asyncio.create_task(part.release_held())
+    key = Key("pod", "default", "late")
+    await _hand(bus, part, bus.subjects.observation(key), Observed(str(key), "uid-1", 1, spec=BOUND))
+    assert str(key) not in part.keys
+    await asyncio.wait_for(release, 5)  # host-a never answers
+    assert _ops(part, str(key)) == ["survey"]
+    assert not part._holding(), "held once per lease"
