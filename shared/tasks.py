@@ -144,3 +144,52 @@ def run_main(coro: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+async def finish_shielded(aw: Awaitable[T]) -> T:
+    """Run ``aw`` to its end even if the caller is cancelled meanwhile (a cleanup that must not stop
+    half-way, such as removing a stack's VMs); a cancellation that arrived is raised after it."""
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.cancelled():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
+async def interruptible(coro: Coroutine[Any, Any, T], *, recancel_after_s: float = RECANCEL_AFTER_S) -> T:
+    """Run a command's coroutine; SIGINT or SIGTERM cancel it until the cancellation takes, then
+    raise KeyboardInterrupt. ``asyncio.run`` cancels its main task once on SIGINT, and on Python
+    3.11 that one cancel can be swallowed (above): the command then ran on to its end and exited 0,
+    as if never interrupted. The coroutine's own cleanup should use ``finish_shielded``."""
+    import signal
+
+    loop = asyncio.get_running_loop()
+    hit = asyncio.Event()
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    for sig in sigs:
+        loop.add_signal_handler(sig, hit.set)
+    task = asyncio.ensure_future(coro)
+    waiter = asyncio.ensure_future(hit.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if not hit.is_set():
+            return task.result()
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=recancel_after_s)
+        if not task.cancelled():
+            task.exception()  # consumed: the interrupt is what the user is told
+        raise KeyboardInterrupt
+    finally:
+        waiter.cancel()
+        for sig in sigs:
+            loop.remove_signal_handler(sig)
+

@@ -40,7 +40,7 @@ from services.testbed.stack import (
 )
 from shared.bus.connect import Bus
 from shared.bus.logstream import audit_records, read_log
-from shared.tasks import run_main
+from shared.tasks import finish_shielded, interruptible, run_main
 
 NS = "default"
 SETTLE_TIMEOUT_S = 60.0
@@ -342,7 +342,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         }
     finally:
         with console.status("stopping the stack (removing its VMs)"):
-            await stack.stop()
+            await finish_shielded(stack.stop())  # a second Ctrl-C does not leave VMs behind
     return result
 
 
@@ -368,7 +368,7 @@ def one_line(exc: BaseException) -> str:
 
 def run_demo(args: argparse.Namespace) -> int:
     try:
-        result = run_main(demo(args))
+        result = run_main(interruptible(demo(args)))
     except (TimeoutError, RuntimeError, OSError) as exc:  # StackBusy, StackConfigError, NatsServerError …
         print(f"vmfence demo: {one_line(exc)}", file=sys.stderr)
         return 1

@@ -7,10 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from shared.tasks import await_chain, cancel_and_wait, end_within, join, run_within
+from shared.tasks import await_chain, cancel_and_wait, end_within, interruptible, join, run_within
 
 
 async def test_a_task_that_swallows_a_cancellation_is_cancelled_again() -> None:
@@ -166,3 +169,48 @@ async def test_unless_set_gives_the_finished_step_or_abandons_it_on_the_event() 
     stop.set()
     assert await asyncio.wait_for(waiting, 5) is None and cancelled.is_set()
     assert await unless_set(asyncio.Event().wait(), asyncio.Event(), within_s=0.05) is None
+
+
+_SWALLOWS_ITS_FIRST_CANCEL = """
+import asyncio, os, signal
+from shared.tasks import finish_shielded, interruptible, run_main
+
+async def stop_stack():
+    await asyncio.sleep(0.2)  # longer than the re-cancel period
+    print("stack stopped", flush=True)
+
+async def command():
+    try:
+        loop = asyncio.get_running_loop()
+        loop.call_soon(os.kill, os.getpid(), signal.SIGINT)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            print("cancel swallowed", flush=True)  # as wait_for does when its answer races the cancel
+        await asyncio.sleep(3600)
+        print("ran to its end", flush=True)
+    finally:
+        await finish_shielded(stop_stack())
+
+try:
+    run_main(interruptible(command(), recancel_after_s=0.02))
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_an_interrupt_ends_a_command_that_swallowed_its_first_cancel_and_its_cleanup_runs_whole() -> None:
+    """`vmfence demo` exited 0 after a Ctrl-C: asyncio.run cancels once, the cancel was swallowed
+    (3.11) and the demo ran on to its end. `interruptible` cancels until it takes and raises
+    KeyboardInterrupt; the cleanup under `finish_shielded` survives the repeated cancels. (A
+    subprocess: the KeyboardInterrupt leaves the event loop, as it does in the command.)"""
+    out = subprocess.run([sys.executable, "-c", _SWALLOWS_ITS_FIRST_CANCEL], capture_output=True, text=True,
+                         timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.split("\n")[:3] == ["cancel swallowed", "stack stopped", "interrupted"], out.stdout + out.stderr
+
+
+async def test_an_uninterrupted_command_gives_its_result() -> None:
+    async def command() -> int:
+        return 7
+
+    assert await interruptible(command()) == 7
