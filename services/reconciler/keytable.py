@@ -105,6 +105,11 @@ class KeySlot:
             self._lock = asyncio.Lock()
         return self._lock
 
+    def busy(self) -> bool:
+        """An input of the key is being decided or waits to be (its state may be copied now)."""
+        lock = self._lock
+        return bool(self.waiting) or (lock is not None and (lock.locked() or bool(getattr(lock, "_waiters", None))))
+
     def release_idle(self) -> None:
         """Drop the lock and pack the state if nothing of the key is in flight any more. Called
         by the partition after an input is handled (the lock released) and before consuming."""

@@ -53,7 +53,7 @@ from shared.fence.schema import (
     decode_verified,
     encode,
 )
-from shared.fence.state import KeyState, fold_all
+from shared.fence.state import KeyState, fold_all, survey_pending
 from shared.subjects import Subjects
 from shared.tasks import cancel_and_wait
 
@@ -134,6 +134,8 @@ class Partition(KeyWriter):
         self._held_inputs: dict[str, list[tuple[Input, Msg]]] = {}
         self._hold_until = 0.0
         self._verified_now = asyncio.Event()
+        # keys slotted unverified only because the partition was not verified yet (named by no host)
+        self._early: set[str] = set()
         self.js = js
         self.subjects = subjects
         self.writer = writer
@@ -320,7 +322,10 @@ class Partition(KeyWriter):
             # waits for a survey of every host -- unless every live host has verified the partition
             # and none named the key (then no live host has a VM of it, nor will run a command of
             # an older writer)
-            unverified = self._loaded and (key in self._named or not self.partition_verified())
+            named = key in self._named
+            unverified = self._loaded and (named or not self.partition_verified())
+            if unverified and not named:
+                self._early.add(key)
             slot = self.keys[key] = KeySlot(KeyState(key=key, unverified=unverified))
         return slot
 
@@ -411,6 +416,7 @@ class Partition(KeyWriter):
                 self.verified.add(sender)
                 if self.partition_verified():
                     self._verified_now.set()
+                    self._verify_early_keys()
                     log.info("partition verified by every live host at generation %d", self.gen,
                              extra={"partition": self.p})
         with contextlib.suppress(nats.errors.Error):
@@ -682,6 +688,25 @@ class Partition(KeyWriter):
         if done:
             with contextlib.suppress(nats.errors.Error):
                 await msg.ack()
+
+    def _verify_early_keys(self) -> int:
+        """Keys first seen while the partition was being verified (a hand-over's foreign log tail,
+        an input before the hold began) that no host named and that have no survey out are verified
+        now, as if first seen after it: the same answers vouch for them. One whose input is being
+        decided keeps its flag (its state may be copied right now): it surveys, as before."""
+        cleared = 0
+        for key in self._early:
+            slot = self.keys.get(key)
+            if slot is None or key in self._named or slot.busy():
+                continue
+            s = slot.state
+            if s.unverified and not s.rebuilding and not survey_pending(s):
+                s.unverified, slot.dirty = False, True
+                cleared += 1
+            slot.release_idle()
+        self._early.clear()
+        self.stats["verified_early"] += cleared
+        return cleared
 
     # ------------------------------------------------- new keys wait for the partition's verification
     def hold_new_keys(self, seconds: float = NEW_KEY_HOLD_S) -> None:

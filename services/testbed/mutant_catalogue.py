@@ -619,8 +619,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "partition-verified-ignores-named-keys", PARTITION_PY,
-        "unverified = self._loaded and (key in self._named or not self.partition_verified())",
-        "unverified = self._loaded and not self.partition_verified()",
+        "            named = key in self._named\n",
+        "            named = False\n",
         "rule 2 after a lost tail: a key a host named in its PartitionVerified answer (it has a VM of "
         "it) surveys every host before its first VM",
         ("tests/reconciler/test_partition_verify.py",),
@@ -655,6 +655,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "            inp, msg = queue.pop()\n",
         "rule 1: a key's inputs held while its partition is verified are decided in arrival order, as "
         "its single writer would have decided them",
+        ("tests/reconciler/test_partition_verify.py",),
+    ),
+    Mutant(
+        "partition-verifies-early-keys-with-a-survey-out", PARTITION_PY,
+        "            if s.unverified and not s.rebuilding and not survey_pending(s):\n",
+        "            if s.unverified and not s.rebuilding:\n",
+        "rule 2: a key whose survey is out waits for its answers; only a key with none out is verified "
+        "by the partition's answers (else a VM a lost tail made would meet a second one)",
+        ("tests/reconciler/test_partition_verify.py",),
+    ),
+    Mutant(
+        "partition-never-verifies-early-keys", PARTITION_PY,
+        "                    self._verify_early_keys()\n",
+        "                    pass\n",
+        "throughput, not safety: keys first seen while the partition was verified need no survey of "
+        "their own once it is",
         ("tests/reconciler/test_partition_verify.py",),
     ),
     Mutant(

@@ -427,6 +427,11 @@ def _gen_of(key: str, uid: str, vm_id: str) -> int:
     return int(tail) if tail.isdigit() else 0
 
 
+def survey_pending(s: KeyState) -> bool:
+    """A survey round of the key is out, or its retry is armed."""
+    return bool(s.verifying) or any(_is_survey(e) for e in s.outbox.values())
+
+
 def _is_survey(eff: Effect) -> bool:
     return (isinstance(eff, Commanded) and eff.command.op == "survey") or (
         isinstance(eff, TimerArmed) and isinstance(eff.timer, SurveyTimer)

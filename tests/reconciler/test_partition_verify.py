@@ -257,3 +257,19 @@ async def test_held_keys_survey_every_host_when_the_verification_does_not_come_i
     await asyncio.wait_for(release, 5)  # host-a never answers
     assert _ops(part, str(key)) == ["survey"]
     assert not part._holding(), "held once per lease"
+
+
+async def test_keys_first_seen_while_the_partition_was_verified_are_verified_by_its_answers(bus: Bus) -> None:
+    """A hand-over's foreign log tail slots keys before the hosts have answered: once every live
+    host has, those no host named and with no survey out need none (their delete would survey)."""
+    gateway, fleet = NullGateway(), Fleet("host-a")
+    part = await _partition(bus, fleet, gateway)
+    quiet, named = part._slot("default/quiet"), part._slot("default/named")
+    surveying = await _first_vm(part, gateway, "default/surveying")
+    assert quiet.state.unverified and named.state.unverified and surveying == ["survey"]
+    await _answer(bus, part, PartitionVerified(0, GEN, GEN, "host-a", ["default/named"]))
+    assert part.partition_verified()
+    assert not part.keys["default/quiet"].state.unverified, "verified by the hosts' answers"
+    assert part.keys["default/named"].state.unverified, "a host has a VM of it: it surveys"
+    assert part.keys["default/surveying"].state.unverified, "its survey is out: its answers verify it"
+    assert part.stats["verified_early"] == 1
