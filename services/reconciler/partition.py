@@ -663,7 +663,9 @@ class Partition(KeyWriter):
                 await msg.ack()
             return
         lacking = self.inventory.note(key, inp) if isinstance(inp, Inventoried) else []
-        if key in self._held_inputs or (key not in self.keys and self._holding()):
+        if key in self._held_inputs or ((key not in self.keys or key in self._early) and self._holding()):
+            # a key first seen, or slotted by the log tail before the hosts answered (a hand-over's
+            # foreign entries): held until they have, so it need not survey (``_verify_early_keys``).
             # (no await between the check and the append: a key's inputs are held in arrival order)
             self._held_inputs.setdefault(key, []).append((inp, msg))
         else:

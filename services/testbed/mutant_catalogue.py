@@ -675,7 +675,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "partition-holds-no-new-key", PARTITION_PY,
-        "        if key in self._held_inputs or (key not in self.keys and self._holding()):\n",
+        "        if key in self._held_inputs or ((key not in self.keys or key in self._early) and self._holding()):\n",
         "        if key in self._held_inputs:\n",
         "throughput, not safety: a key first seen while its partition is verified waits for the "
         "verification instead of surveying every host (the survey stays correct, and is the fallback)",

@@ -232,9 +232,16 @@ async def test_a_new_keys_inputs_wait_for_the_verification_in_order_and_make_no_
     await _hand(bus, part, bus.subjects.observation(key), Observed(str(key), "uid-1", 2, deleting=True, spec=BOUND))
     assert str(key) not in part.keys and len(part._held_inputs[str(key)]) == 2, "decided before verification"
     assert not release.done()
+    # a key the log tail slotted before the hosts answered (a hand-over's foreign entry) is held too
+    tail = Key("pod", "default", "tail")
+    gateway.objects[str(tail)] = ("uid-2", 1, BOUND)
+    part._slot(str(tail))
+    await _hand(bus, part, bus.subjects.observation(tail), Observed(str(tail), "uid-2", 1, spec=BOUND))
+    assert len(part._held_inputs[str(tail)]) == 1 and part.keys[str(tail)].state.n == 0
     await _answer(bus, part, PartitionVerified(0, GEN, GEN, "host-a", []))
     await asyncio.wait_for(release, 5)
-    assert part._held_inputs == {} and part.stats["held_keys"] == 1
+    assert part._held_inputs == {} and part.stats["held_keys"] == 2
+    assert _ops(part, str(tail)) == ["create"], "verified by the partition's answers: no survey"
     decided = _decisions(part, await log_entries(bus), str(key))
     assert "Admitted" in decided and "DeleteClaimed" in decided, decided
     assert decided.index("Admitted") < decided.index("DeleteClaimed"), f"decided out of arrival order: {decided}"
