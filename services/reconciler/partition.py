@@ -305,9 +305,12 @@ class Partition(KeyWriter):
                 await self._quarantine(bad)
         # nothing loaded from the log shows whether it lost a tail before this load (no memory of
         # ours covers its end): every key surveys the hosts before the first VM it makes (_slot
-        # does the same for keys first seen later: their whole log may have been lost)
+        # does the same for keys first seen later: their whole log may have been lost) -- unless
+        # the partition's verification vouches for it first (_verify_early_keys): no live host has
+        # a VM of a key it did not name, and each refuses what an older writer sends
         for key, slot in self.keys.items():
             slot.state.unverified = True
+            self._early.add(key)
             self.inventory.index(key, slot.state)
         self._loaded = True
         # the outbox: effects decided but maybe not carried out before a crash or handover

@@ -661,8 +661,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "partition-verifies-early-keys-with-a-survey-out", PARTITION_PY,
         "            if s.unverified and not s.rebuilding and not survey_pending(s):\n",
         "            if s.unverified and not s.rebuilding:\n",
-        "rule 2: a key whose survey is out waits for its answers; only a key with none out is verified "
-        "by the partition's answers (else a VM a lost tail made would meet a second one)",
+        "conservative (the model campaign finds no violation without it): a key whose survey is out "
+        "waits for that survey's answers, which may carry the cut evidence its rebuild needs",
         ("tests/reconciler/test_partition_verify.py",),
     ),
     Mutant(
@@ -671,6 +671,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "                    pass\n",
         "throughput, not safety: keys first seen while the partition was verified need no survey of "
         "their own once it is",
+        ("tests/reconciler/test_partition_verify.py",),
+    ),
+    Mutant(
+        "partition-loaded-keys-always-survey", PARTITION_PY,
+        "            self._early.add(key)\n",
+        "            pass\n",
+        "throughput, not safety: a key loaded from the log needs no survey of its own once every live "
+        "host has verified the partition and none named it",
         ("tests/reconciler/test_partition_verify.py",),
     ),
     Mutant(

@@ -40,7 +40,7 @@ from shared.fence.schema import (
     WriteDone,
     WriteRequested,
 )
-from shared.fence.state import KeyState, fold_all
+from shared.fence.state import KeyState, fold_all, survey_pending
 
 HOSTS = ("host-a", "host-b")
 
@@ -323,6 +323,8 @@ class World:
                 if gen == self.gen and floor == gen:
                     self.verified.add(host)
                     self.named.update(named)
+                    if self.verified >= set(HOSTS):
+                        self._verify_loaded_keys()
         self._check_oracle()
 
     def _write(self, key: str, w: KubeWrite) -> None:
@@ -354,6 +356,15 @@ class World:
             self.bag.append(Msg("input", key, WriteDone(w.fence, w.id, "failed", "response lost")))
         elif w.verb != "event":
             self.bag.append(Msg("input", key, WriteDone(w.fence, w.id, outcome)))  # type: ignore[arg-type]
+
+    def _verify_loaded_keys(self) -> None:
+        """Every host answered: keys the writer loaded (or met) before that, named by no host and
+        with no survey out, are verified by the answers (Partition._verify_early_keys)."""
+        for key in self.keys:
+            st = self.states[key]
+            if key not in self.unmet and key not in self.named and st.unverified and not st.rebuilding \
+                    and not survey_pending(st):
+                st.unverified = False
 
     def _decide(self, key: str, inp: Input) -> None:
         if isinstance(inp, CommandResult) and inp.floor > 0:

@@ -280,3 +280,22 @@ async def test_keys_first_seen_while_the_partition_was_verified_are_verified_by_
     assert part.keys["default/named"].state.unverified, "a host has a VM of it: it surveys"
     assert part.keys["default/surveying"].state.unverified, "its survey is out: its answers verify it"
     assert part.stats["verified_early"] == 1
+
+
+async def test_keys_loaded_from_the_log_are_verified_by_the_next_writers_answers(bus: Bus) -> None:
+    """After a hand-over every loaded key used to survey every host at its next bring-up or delete
+    (a loaded log may have lost a tail): the new writer's verification vouches for those no host
+    named, as for keys first seen after it."""
+    gateway, fleet = NullGateway(), Fleet("host-a")
+    first = await _partition(bus, fleet, gateway)
+    await _answer(bus, first, PartitionVerified(0, GEN, GEN, "host-a", []))
+    assert await _first_vm(first, gateway, "default/kept") == ["create"]
+    assert await _first_vm(first, gateway, "default/vm-here") == ["create"]
+    first.held = False
+    second = Partition(0, js=bus.js, subjects=bus.subjects, writer="writer-2", effects=EffectRunner(
+        bus.js, bus.subjects, gateway), snapshots=None, env=fleet.env, confirm=gateway.confirm, gen=GEN + 1)
+    await second.load()
+    assert second.keys["default/kept"].state.unverified, "loaded: unverified until the hosts answer"
+    await _answer(bus, second, PartitionVerified(0, GEN + 1, GEN + 1, "host-a", ["default/vm-here"]))
+    assert not second.keys["default/kept"].state.unverified
+    assert second.keys["default/vm-here"].state.unverified, "a host has its VM: it surveys"
