@@ -675,8 +675,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "partition-loaded-keys-always-survey", PARTITION_PY,
-        "            self._early.add(key)\n",
-        "            pass\n",
+        "            slot.state.unverified = True\n            self._early.add(key)\n",
+        "            slot.state.unverified = True\n",
         "throughput, not safety: a key loaded from the log needs no survey of its own once every live "
         "host has verified the partition and none named it",
         ("tests/reconciler/test_partition_verify.py",),
