@@ -170,6 +170,9 @@ class Ledger:
     _conn: sqlite3.Connection | None = field(default=None, init=False, repr=False)
     _pool: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
     _queued: collections.deque[_Queued] = field(default_factory=collections.deque, init=False, repr=False)
+    # a drain is submitted to the thread and has not started taking the queue: a write queued now
+    # is in its batch, so it submits none of its own (one thread hop per batch, not per write)
+    _drain_pending: bool = field(default=False, init=False, repr=False)
     commits: int = field(default=0, init=False)  # COMMITs that took (fewer than writes under load)
     _vms: dict[str, VMRow] = field(default_factory=dict, init=False, repr=False)
     _by_key: dict[str, set[str]] = field(default_factory=dict, init=False, repr=False)  # key -> its vm ids
@@ -189,6 +192,7 @@ class Ledger:
         """Open (creating if needed) with WAL + synchronous=FULL, then load the VM mirror."""
         _private(self.path)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
+        self._drain_pending = False
         loop = asyncio.get_running_loop()
         self._conn = await loop.run_in_executor(self._pool, _connect, self.path)
         await self.run(self._load)
@@ -308,12 +312,17 @@ class Ledger:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[T] = loop.create_future()
         self._queued.append(_Queued(body, done, loop))
-        self._pool.submit(self._drain, self._conn)  # an earlier drain may already have taken it
+        if not self._drain_pending:
+            self._drain_pending = True
+            self._pool.submit(self._drain, self._conn)
         return done
 
     def _drain(self, db: sqlite3.Connection) -> None:
         """On the ledger's thread: every write queued so far, in one transaction when they all go
         through, else each in its own (so one write's error never takes another's work with it)."""
+        # cleared before the queue is taken: a write queued after this line submits a drain of its
+        # own (at worst one that finds nothing), so none is left waiting
+        self._drain_pending = False
         batch: list[_Queued] = []
         while self._queued:
             batch.append(self._queued.popleft())

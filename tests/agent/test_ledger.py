@@ -161,6 +161,29 @@ async def test_writes_asked_for_together_commit_together_and_one_bad_write_fails
         assert await again.reservation_owner("vnc", "5901") == ("vm-0", f.uid, f.epoch)
 
 
+async def test_a_write_asked_for_while_a_batch_commits_gets_a_batch_of_its_own(tmp_path: Path) -> None:
+    """Writes share a thread hop: only the first of a batch submits a drain. One asked for while
+    the thread is inside a batch must still be drained (not wait for the next write to come)."""
+    ledger = Ledger(str(tmp_path / "l.sqlite3"))
+    await ledger.open()
+    inside, gate = threading.Event(), threading.Event()
+
+    def slow(db: object) -> bool:
+        inside.set()
+        return gate.wait(10)
+
+    first = asyncio.ensure_future(ledger._write(slow))
+    await asyncio.to_thread(inside.wait, 10)  # the thread is committing the first batch
+    f = fence(1)
+    second = asyncio.ensure_future(ledger.put_vm(VMRow(vm_id="vm-1", fence=f, state="creating", spec=Spec())))
+    await asyncio.sleep(0)
+    gate.set()
+    assert await asyncio.wait_for(first, 10)
+    row = await asyncio.wait_for(second, 10)
+    assert row.vm_id == "vm-1" and [r.vm_id for r in ledger.vms()] == ["vm-1"]
+    await ledger.close()
+
+
 def test_fence_verdicts() -> None:
     owner = fence(2)
     assert fence_verdict("start", owner, owner) is None
