@@ -214,21 +214,27 @@ async def test_a_refusal_of_an_older_writers_copy_is_never_decided_and_ours_goes
         assert part.gen == GEN + 4 and not part.partition_verified()
 
 
-def _decisions(part: Partition, entries: list[tuple[int, LogEntry]], key: str) -> list[str]:
+def _decisions(entries: list[tuple[int, LogEntry]], key: str) -> list[str]:
     return [type(d).__name__ for _, e in entries if e.key == key for d in e.decisions]
+
+
+async def _holding(bus: Bus, name: str, seconds: float) -> tuple[Partition, NullGateway, asyncio.Task[None], Key]:
+    """A partition of host-a holding new keys for ``seconds``, whose key ``name`` sent a first input."""
+    gateway = NullGateway()
+    part = await _partition(bus, Fleet("host-a"), gateway)
+    gateway.objects[f"default/{name}"] = ("uid-1", 1, BOUND)
+    part.hold_new_keys(seconds)
+    release = asyncio.create_task(part.release_held())
+    key = Key("pod", "default", name)
+    await _hand(bus, part, bus.subjects.observation(key), Observed(str(key), "uid-1", 1, spec=BOUND))
+    return part, gateway, release, key
 
 
 async def test_a_new_keys_inputs_wait_for_the_verification_in_order_and_make_no_survey(bus: Bus) -> None:
     """Inputs of keys first seen right after the partition is taken are held (unacked) until every
     live host has verified it; then each key's inputs are decided in arrival order, without a
     survey of every host per key."""
-    gateway, fleet = NullGateway(), Fleet("host-a")
-    part = await _partition(bus, fleet, gateway)
-    gateway.objects["default/early"] = ("uid-1", 1, BOUND)
-    part.hold_new_keys(30)
-    release = asyncio.create_task(part.release_held())
-    key = Key("pod", "default", "early")
-    await _hand(bus, part, bus.subjects.observation(key), Observed(str(key), "uid-1", 1, spec=BOUND))
+    part, gateway, release, key = await _holding(bus, "early", 30)
     await _hand(bus, part, bus.subjects.observation(key), Observed(str(key), "uid-1", 2, deleting=True, spec=BOUND))
     assert str(key) not in part.keys and len(part._held_inputs[str(key)]) == 2, "decided before verification"
     assert not release.done()
@@ -242,7 +248,7 @@ async def test_a_new_keys_inputs_wait_for_the_verification_in_order_and_make_no_
     await asyncio.wait_for(release, 5)
     assert part._held_inputs == {} and part.stats["held_keys"] == 2
     assert _ops(part, str(tail)) == ["create"], "verified by the partition's answers: no survey"
-    decided = _decisions(part, await log_entries(bus), str(key))
+    decided = _decisions(await log_entries(bus), str(key))
     assert "Admitted" in decided and "DeleteClaimed" in decided, decided
     assert decided.index("Admitted") < decided.index("DeleteClaimed"), f"decided out of arrival order: {decided}"
     commanded = [d.command.op for _, e in await log_entries(bus) if e.key == str(key)
@@ -253,13 +259,7 @@ async def test_a_new_keys_inputs_wait_for_the_verification_in_order_and_make_no_
 
 
 async def test_held_keys_survey_every_host_when_the_verification_does_not_come_in_time(bus: Bus) -> None:
-    gateway, fleet = NullGateway(), Fleet("host-a")
-    part = await _partition(bus, fleet, gateway)
-    gateway.objects["default/late"] = ("uid-1", 1, BOUND)
-    part.hold_new_keys(0.3)
-    release = asyncio.create_task(part.release_held())
-    key = Key("pod", "default", "late")
-    await _hand(bus, part, bus.subjects.observation(key), Observed(str(key), "uid-1", 1, spec=BOUND))
+    part, _, release, key = await _holding(bus, "late", 0.3)
     assert str(key) not in part.keys
     await asyncio.wait_for(release, 5)  # host-a never answers
     assert _ops(part, str(key)) == ["survey"]
