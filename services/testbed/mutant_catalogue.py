@@ -67,6 +67,7 @@ KUBE_PY = "services/reconciler/kube.py"
 LEDGER_PY = "services/agent/ledger.py"
 PARTITION_PY = "services/reconciler/partition.py"
 ENTRIES_PY = "services/reconciler/entries.py"
+VERIFICATION_PY = "services/reconciler/verification.py"
 # the policy package shared/fence/decide/: one constant per module a mutant names
 DECIDE_BRINGUP = "shared/fence/decide/bringup.py"
 DECIDE_CONFIRMATION = "shared/fence/decide/confirmation.py"
@@ -626,7 +627,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/reconciler/test_partition_verify.py",),
     ),
     Mutant(
-        "partition-trusts-another-generations-answer", PARTITION_PY,
+        "partition-trusts-another-generations-answer", VERIFICATION_PY,
         "        if answer.gen == self.gen and self.held:\n",
         "        if self.held:\n",
         "rule 1/2: only an answer to this writer's own generation verifies a host (an older lease's "
@@ -642,7 +643,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/reconciler/test_partition_verify.py",),
     ),
     Mutant(
-        "partition-never-resends-a-refused-command", PARTITION_PY,
+        "partition-never-resends-a-refused-command", VERIFICATION_PY,
         "            self.effects.submit(key, Resend(pending))\n",
         "            pass\n",
         "rule 11: a command of our outbox whose predecessor's copy (same Msg-Id) a host refused for "
@@ -650,7 +651,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/reconciler/test_partition_verify.py",),
     ),
     Mutant(
-        "partition-decides-held-inputs-out-of-order", PARTITION_PY,
+        "partition-decides-held-inputs-out-of-order", VERIFICATION_PY,
         "            inp, msg = queue.pop(0)\n",
         "            inp, msg = queue.pop()\n",
         "rule 1: a key's inputs held while its partition is verified are decided in arrival order, as "
@@ -658,7 +659,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/reconciler/test_partition_verify.py",),
     ),
     Mutant(
-        "partition-verifies-early-keys-with-a-survey-out", PARTITION_PY,
+        "partition-verifies-early-keys-with-a-survey-out", VERIFICATION_PY,
         "            if s.unverified and not s.rebuilding and not survey_pending(s):\n",
         "            if s.unverified and not s.rebuilding:\n",
         "conservative (the model campaign finds no violation without it): a key whose survey is out "
@@ -666,7 +667,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/reconciler/test_partition_verify.py",),
     ),
     Mutant(
-        "partition-never-verifies-early-keys", PARTITION_PY,
+        "partition-never-verifies-early-keys", VERIFICATION_PY,
         "                    self._verify_early_keys()\n",
         "                    pass\n",
         "throughput, not safety: keys first seen while the partition was verified need no survey of "
