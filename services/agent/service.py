@@ -505,8 +505,12 @@ class Agent:
             self.prober.restart(cmd.vm_id)
         else:
             self.prober.kick(cmd.vm_id)
+        # a refusal below the floor is an answer to *this copy* only: it must not take the command
+        # id's Msg-Id, or the stream's dedupe would drop the real result of the newer writer's
+        # copy, sent right after (the key would wait a duplicate window, or for ever)
+        msg_id = result.command_id if result.floor == 0 else f"{result.command_id}|refused:{cmd.gen}<{result.floor}"
         try:
-            await self._report("result", result.fence, result, result.command_id)
+            await self._report("result", result.fence, result, msg_id)
         except (AppendFailed, nats.errors.Error, TimeoutError) as e:
             log.warning("result not published (%r); redelivery will republish it", e, extra=cmd_fields(cmd))
             await self._nak(msg, self._retry_delay(msg))

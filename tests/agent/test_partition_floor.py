@@ -16,6 +16,7 @@ from nats.aio.msg import Msg
 
 from services.agent.config import AgentConfig
 from services.agent.service import Agent
+from shared.bus.read import read_stream
 from shared.fence.keys import partition_of
 from shared.fence.schema import (
     H_KIND,
@@ -24,6 +25,7 @@ from shared.fence.schema import (
     CommandResult,
     PartitionVerified,
     PartitionVerify,
+    decode_input,
     decode_verified,
     encode,
 )
@@ -67,6 +69,20 @@ async def _result(nc: Client, reports: Reports, cmd: Command, msg_id: str | None
     return r
 
 
+async def _stored_results(nc: Client, command_id: str) -> list[CommandResult]:
+    """The results of ``command_id`` the inputs stream *stored* (a core subscription also sees
+    publishes the stream's dedupe dropped)."""
+    subjects = Subjects()
+    out = []
+    async for m in read_stream(nc.jetstream(), subjects.stream_in, f"{subjects.prefix}.in.*.agent.{HOST}.>"):
+        if m.subject.endswith(".partition"):
+            continue  # a PartitionVerified, no input of a key
+        inp = decode_input(m.data)
+        if isinstance(inp, CommandResult) and inp.command_id == command_id:
+            out.append(inp)
+    return out
+
+
 async def test_what_an_older_writer_sent_is_refused_once_a_newer_one_verified_the_host(
     nc: Client, reports: Reports, answers: asyncio.Queue[PartitionVerified], make_config: Callable[..., AgentConfig]
 ) -> None:
@@ -86,6 +102,9 @@ async def test_what_an_older_writer_sent_is_refused_once_a_newer_one_verified_th
         r = await _result(nc, reports, new, msg_id="resend-5")
         assert r.outcome == "ok", r
         assert sorted(driver.all_vms()) == ["vm-old"]
+        # and the stream stored both answers: the refusal did not take the Msg-Id the real result
+        # is published under (its dedupe would drop that result, and the key would wait for ever)
+        assert [x.outcome for x in await _stored_results(nc, old.id)] == ["inconclusive", "ok"]
         # a key of another partition is not held to partition 3's floor
         other = command("create", "vm-other", fence(1, key=_key_in(4)))
         assert (await _result(nc, reports, other)).outcome == "ok"
