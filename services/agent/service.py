@@ -501,9 +501,8 @@ class Agent:
         else:
             self.metrics.commands.labels(op=cmd.op, result=result.outcome).inc()
         assert self.prober is not None
-        if result.outcome == "ok" and cmd.op in ("create", "start", "wake", "adopt") and not replayed:
-            self.prober.restart(cmd.vm_id)
-        else:
+        new_run = result.outcome == "ok" and cmd.op in ("create", "start", "wake", "adopt") and not replayed
+        if not new_run:
             self.prober.kick(cmd.vm_id)
         # a refusal below the floor is an answer to *this copy* only: it must not take the command
         # id's Msg-Id, or the stream's dedupe would drop the real result of the newer writer's
@@ -515,6 +514,11 @@ class Agent:
             log.warning("result not published (%r); redelivery will republish it", e, extra=cmd_fields(cmd))
             await self._nak(msg, self._retry_delay(msg))
             return
+        finally:
+            if new_run:
+                # only now: a probe of the new run published before its result would be decided
+                # before the binding and dropped (not bound yet), the VM not Ready until an inventory
+                self.prober.restart(cmd.vm_id)
         await self._ack(msg)
 
     def _retry_delay(self, msg: Msg) -> float:

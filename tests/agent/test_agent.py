@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 import aiohttp
@@ -12,7 +13,7 @@ from nats.aio.client import Client
 from services.agent.config import AgentConfig
 from services.agent.runtime.sim import SimDriver
 from services.agent.service import Agent
-from shared.fence.schema import CommandResult, HostHeartbeat, Input, Inventoried, ProbeChanged, VMExited, VMGone
+from shared.fence.schema import CommandResult, Fence, HostHeartbeat, Input, Inventoried, ProbeChanged, VMExited, VMGone
 from shared.subjects import Subjects
 
 from .conftest import HOST, Reports, command, fence, send, sim_driver
@@ -177,6 +178,44 @@ async def test_probe_of_superseded_fence_never_reports(
         release.set()  # the old-fence probe now returns False: it must be dropped
         await reports.wait(lambda i: isinstance(i, ProbeChanged) and i.fence == new and not i.ready)
         assert [p.ready for p in reports.of(ProbeChanged, fence=old)] == [True]
+
+
+async def test_a_restarted_vm_is_probed_only_after_its_start_result_is_published(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig]
+) -> None:
+    """The new run's readiness must not reach the reconciler before the start's result: decided
+    before the binding it is dropped (not bound yet), and the VM would stay not Ready until an
+    inventory repeats it (a stack campaign saw a VirtualMachine Running, Ready=False)."""
+    cfg = make_config()
+    driver = sim_driver(cfg)
+    f = fence(1)
+    async with Agent(cfg, driver=driver) as agent:
+        await send(nc, command("create", "r-1", f))
+        await reports.wait(lambda i: isinstance(i, ProbeChanged) and i.vm_id == "r-1" and i.ready)
+        driver.crash_vm("r-1", exit_code=1)
+        await reports.wait(lambda i: isinstance(i, VMExited) and i.vm_id == "r-1")
+        mark = len(reports.items)
+        report = agent._report
+
+        def ready(i: Input) -> bool:  # the new run's (the old run's loop may still say not ready)
+            return isinstance(i, ProbeChanged) and i.vm_id == "r-1" and i.ready
+
+        def probed_since_mark(_: Input) -> bool:
+            return any(ready(i) for i in reports.items[mark:])
+
+        async def slow_result(kind: str, fence_: Fence, payload: msgspec.Struct, msg_id: str) -> None:
+            if kind == "result":  # a slow bus: the result goes late; no probe of the new run may go first
+                with contextlib.suppress(TimeoutError):
+                    await reports.wait(probed_since_mark, timeout=1.0)
+            await report(kind, fence_, payload, msg_id)
+
+        agent._report = slow_result  # type: ignore[method-assign]
+        start = command("start", "r-1", f)
+        await send(nc, start)
+        assert (await reports.wait(is_result(start.id))).outcome == "ok"  # type: ignore[union-attr]
+        await reports.wait(probed_since_mark)
+        order = [type(i).__name__ for i in reports.items[mark:] if isinstance(i, CommandResult) or ready(i)]
+        assert order == ["CommandResult", "ProbeChanged"], order
 
 
 async def test_malformed_command_goes_to_dlq(
