@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 RETRY_DELAY_S = 1.0  # after a failed publish/write, before trying the effect again
 QUEUE_LIMIT_PER_KEY = 10_000
+REFUSED_COPIES_LIMIT = 10_000  # refusals remembered for commands not (yet) in our outbox; oldest dropped
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,10 @@ class EffectRunner:
         self.idle = asyncio.Event()
         self.idle.set()
         self._busy = 0
+        # (command id, host) -> key: a host refused a predecessor's copy of a command this writer
+        # did not know yet (a hand-over's foreign tail, read later): when it is carried out, it goes
+        # under a Msg-Id of our generation, not deduped against the refused copy
+        self._refused: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
 
     def submit(self, key: str, effect: Work) -> None:
         if key in self._halted:
@@ -119,6 +124,13 @@ class EffectRunner:
 
         self._timers[handle_key] = loop.call_later(max(0.0, timer.delay_s), fire)
 
+    def refused_copy(self, key: str, command_id: str, host: str) -> None:
+        """``host`` refused an older writer's copy of ``command_id``: send ours as a Resend."""
+        self._refused[(command_id, host)] = key
+        self._refused.move_to_end((command_id, host))
+        while len(self._refused) > REFUSED_COPIES_LIMIT:
+            self._refused.popitem(last=False)
+
     def cancel_partition(self, partition: int) -> None:
         for (key, tid), handle in list(self._timers.items()):
             if self.subjects.partition(key) == partition:
@@ -126,6 +138,9 @@ class EffectRunner:
                 del self._timers[(key, tid)]
         # the partition's next load judges its keys' logs afresh
         self._halted = {k for k in self._halted if self.subjects.partition(k) != partition}
+        for ref, key in list(self._refused.items()):
+            if self.subjects.partition(key) == partition:
+                del self._refused[ref]
 
     def halt(self, key: str) -> None:
         """Carry out nothing more for ``key`` (its log holds an entry nobody can read): queued
@@ -188,6 +203,8 @@ class EffectRunner:
         resend = isinstance(work, Resend)
         if isinstance(work, Resend):
             work = work.commanded
+        elif isinstance(work, Commanded) and (work.command.id, work.command.host) in self._refused:
+            resend = True  # its host refused the copy the stream's dedupe would let stand for ours
         match work:
             case Commanded(command=cmd):
                 # the writer that sends a command vouches for it now (after a handover, the new

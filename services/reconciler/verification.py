@@ -136,6 +136,10 @@ class PartitionVerifier:
         pending = slot.state.outbox.get(r.command_id) if slot is not None else None
         if isinstance(pending, Commanded) and pending.command.host == r.host:
             self.effects.submit(key, Resend(pending))
+        else:
+            # not in our outbox (yet): the key's entries a predecessor appended after our load may
+            # hold it, and the re-read carries it out -- then not as the copy the host refused
+            self.effects.refused_copy(key, r.command_id, r.host)
 
     async def _verified_answer(self, msg: Msg, p: int, sender: str) -> None:
         """A host's answer to our PartitionVerify."""

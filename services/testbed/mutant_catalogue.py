@@ -651,6 +651,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/reconciler/test_partition_verify.py",),
     ),
     Mutant(
+        "partition-forgets-a-refusal-of-a-command-not-yet-read", VERIFICATION_PY,
+        "            self.effects.refused_copy(key, r.command_id, r.host)\n",
+        "            pass\n",
+        "rule 11: a refusal that arrives before this writer read the predecessor's entry that "
+        "commanded it still makes our copy go under our generation, or the stream's dedupe drops it",
+        ("tests/reconciler/test_partition_verify.py",),
+    ),
+    Mutant(
         "partition-decides-held-inputs-out-of-order", VERIFICATION_PY,
         "            inp, msg = queue.pop(0)\n",
         "            inp, msg = queue.pop()\n",

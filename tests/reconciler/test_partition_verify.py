@@ -23,9 +23,12 @@ from shared.fence.decide import DecideEnv, HostView
 from shared.fence.keys import Key
 from shared.fence.schema import (
     H_KIND,
+    SURVEY_VM_ID,
     VERIFY_KIND,
+    Command,
     Commanded,
     CommandResult,
+    Fence,
     LogEntry,
     Observed,
     PartitionVerified,
@@ -212,6 +215,33 @@ async def test_a_refusal_of_an_older_writers_copy_is_never_decided_and_ours_goes
         # above our generation: we are the older writer; take a higher one and verify again
         await _hand(bus, part, report, msgspec.structs.replace(refused, floor=GEN + 3))
         assert part.gen == GEN + 4 and not part.partition_verified()
+
+
+async def test_a_refusal_of_a_command_we_learn_of_later_makes_our_copy_go_under_our_generation(bus: Bus) -> None:
+    """A hand-over: the host refuses the predecessor's copy before we have read the entry that
+    commanded it (appended after our load). When our re-read carries the command out, its copy
+    must not be the command's own Msg-Id -- the stream's dedupe would let the refused copy stand
+    for it and the key would wait for ever (a stack campaign's pod never got its survey)."""
+    gateway = NullGateway()
+    async with _sending(bus, gateway) as (part, sent):
+        await part.ask_hosts()
+        await asyncio.wait_for(sent.get(), 5)  # the verify
+        await _answer(bus, part, PartitionVerified(0, GEN, GEN, "host-a", []))
+        key = "default/late"
+        fence = Fence(key, "uid-9", 1)
+        cmd = Command(id="uid-9:1:survey:survey:1.1.4.x", op="survey", fence=fence, host="host-a", vm_id=SURVEY_VM_ID)
+        refused = CommandResult(fence, cmd.id, "survey", "host-a", SURVEY_VM_ID, "inconclusive",
+                                error="older generation", floor=GEN)
+        await _hand(bus, part, bus.subjects.host_report(Key.parse(key), "host-a"), refused)
+        assert part.stats["refused_below_floor"] == 1 and sent.empty()  # nothing of ours to send yet
+        part.effects.submit(key, Commanded(cmd))  # as the re-read's outbox would (``_owe``)
+        again = await asyncio.wait_for(sent.get(), 5)
+        assert decode_command(again.data).id == cmd.id
+        assert (again.headers or {})["Nats-Msg-Id"] == f"{cmd.id}@{GEN}"
+        # a command no host refused still goes under its own id (a predecessor's copy stands for it)
+        other = msgspec.structs.replace(cmd, id="uid-9:1:survey:survey:1.1.5.x")
+        part.effects.submit(key, Commanded(other))
+        assert ((await asyncio.wait_for(sent.get(), 5)).headers or {})["Nats-Msg-Id"] == other.id
 
 
 def _decisions(entries: list[tuple[int, LogEntry]], key: str) -> list[str]:
