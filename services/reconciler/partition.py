@@ -26,7 +26,7 @@ from services.reconciler.entries import KeyWriter, input_kind, key_of, lost_fold
 from services.reconciler.inventory import InventoryIndex
 from services.reconciler.keytable import KeySlot
 from services.reconciler.snapshot import SnapshotStore
-from services.reconciler.verification import PartitionVerifier
+from services.reconciler.verification import REFUSAL_REDELIVERY_S, PartitionVerifier
 from shared.bus.deadletter import dead_letter
 from shared.bus.read import last_on_subject, read_stream, read_subject
 from shared.bus.wire import H_MSG_ID
@@ -552,9 +552,11 @@ class Partition(KeyWriter, PartitionVerifier):
             await self._dead_letter(msg, self._quarantined_reason(key))
             return
         if isinstance(inp, CommandResult) and inp.floor > 0:
-            await self._refused_below_floor(key, inp)
             with contextlib.suppress(nats.errors.Error):
-                await msg.ack()
+                if self._refused_below_floor(key, inp):
+                    await msg.ack()
+                else:  # another writer's: delivered again (to it, or to us at our new generation)
+                    await msg.nak(delay=REFUSAL_REDELIVERY_S)
             return
         lacking = self.inventory.note(key, inp) if isinstance(inp, Inventoried) else []
         if key in self._held_inputs or ((key not in self.keys or key in self._early) and self._holding()):

@@ -46,6 +46,9 @@ VERIFY_RETRY_S = 2.0
 # round trip to each host as the verification, plus a command, an answer and an entry per host and
 # key. A verification that has not finished by then (a host slow or gone) lets them go on as before.
 NEW_KEY_HOLD_S = 2 * VERIFY_RETRY_S
+# a refusal for another writer goes back to the stream for this long before it is delivered again
+# (to the newer writer, or to us once we took the higher generation)
+REFUSAL_REDELIVERY_S = 0.5
 
 
 class PartitionVerifier:
@@ -121,17 +124,21 @@ class PartitionVerifier:
         for slot in self.keys.values():
             self._owe(slot)
 
-    async def _refused_below_floor(self, key: str, r: CommandResult) -> None:
+    def _refused_below_floor(self, key: str, r: CommandResult) -> bool:
         """A host refused a command sent under an older generation than its floor. Never decided:
         it says nothing of the command but that this copy did not run. If the command is in our
         outbox, the stream may have taken the predecessor's copy for ours (same Msg-Id): ours goes
-        again under a Msg-Id of our generation. Above our generation, we are the older writer."""
+        again under a Msg-Id of our generation. Above our generation, we are the older writer.
+
+        False: the refusal is for another writer -- a newer one, while our lease is lost or about
+        to be, or ours at the generation we now take -- and must be delivered again, not acked
+        (acked here, the writer that owns the command would never send its copy)."""
         self.stats["refused_below_floor"] += 1
         if not self.held:
-            return
+            return False
         if r.floor > self.gen:
             self._outgrown(r.host, r.floor)
-            return
+            return False
         slot = self.keys.get(key)
         pending = slot.state.outbox.get(r.command_id) if slot is not None else None
         if isinstance(pending, Commanded) and pending.command.host == r.host:
@@ -140,6 +147,7 @@ class PartitionVerifier:
             # not in our outbox (yet): the key's entries a predecessor appended after our load may
             # hold it, and the re-read carries it out -- then not as the copy the host refused
             self.effects.refused_copy(key, r.command_id, r.host)
+        return True
 
     async def _verified_answer(self, msg: Msg, p: int, sender: str) -> None:
         """A host's answer to our PartitionVerify."""

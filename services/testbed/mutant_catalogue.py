@@ -659,6 +659,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/reconciler/test_partition_verify.py",),
     ),
     Mutant(
+        "partition-acks-a-refusal-meant-for-a-newer-writer", VERIFICATION_PY,
+        "            self._outgrown(r.host, r.floor)\n            return False\n",
+        "            self._outgrown(r.host, r.floor)\n            return True\n",
+        "rule 11: a refusal above this writer's generation is for a newer writer (or for us at the "
+        "generation we now take); acked here, the writer that owns the command never resends it",
+        ("tests/reconciler/test_partition_verify.py",),
+    ),
+    Mutant(
         "partition-decides-held-inputs-out-of-order", VERIFICATION_PY,
         "            inp, msg = queue.pop(0)\n",
         "            inp, msg = queue.pop()\n",

@@ -212,9 +212,32 @@ async def test_a_refusal_of_an_older_writers_copy_is_never_decided_and_ours_goes
         assert decode_command(again.data).id == create.id
         assert (again.headers or {})["Nats-Msg-Id"] == f"{create.id}@{GEN}"
         assert part.stats["refused_below_floor"] == 1 and part.gen == GEN
-        # above our generation: we are the older writer; take a higher one and verify again
-        await _hand(bus, part, report, msgspec.structs.replace(refused, floor=GEN + 3))
+        # above our generation: we are the older writer; take a higher one and verify again. The
+        # refusal is not acked: the writer it is for (a newer one, or us at the new generation)
+        # gets it again -- acked here, that writer would never send its own copy
+        assert await _handed_again(bus, part, report, msgspec.structs.replace(refused, floor=GEN + 3))
         assert part.gen == GEN + 4 and not part.partition_verified()
+        part.held = False  # a writer whose lease is gone leaves every refusal to the next
+        assert await _handed_again(bus, part, report, refused)
+
+
+async def _handed_again(bus: Bus, part: Partition, subject: str, payload: msgspec.Struct) -> bool:
+    """Hand ``payload`` to the partition as fetched; True if the stream then delivers it again
+    (the partition did not ack it)."""
+    psub = await bus.js.pull_subscribe(subject, durable=f"verify-test-{next(_durables)}", stream=bus.subjects.stream_in,
+                                       config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.NEW, ack_wait=30))
+    try:
+        await bus.js.publish(subject, encode(payload))
+        msgs: list[Msg] = await psub.fetch(1, timeout=5)
+        await part.handle(msgs[0])
+        try:
+            again = await psub.fetch(1, timeout=5)
+        except TimeoutError:
+            return False
+        await again[0].ack()
+        return again[0].metadata.num_delivered == 2
+    finally:
+        await psub.unsubscribe()
 
 
 async def test_a_refusal_of_a_command_we_learn_of_later_makes_our_copy_go_under_our_generation(bus: Bus) -> None:
