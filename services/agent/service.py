@@ -117,20 +117,6 @@ class _StoppedDuringStartup(Exception):
     """stop() (SIGTERM) arrived before the agent was ready: a clean exit, not an error."""
 
 
-def _sim_faults(driver: Any, faults: tuple[str, ...]) -> None:
-    """Apply ``--sim-fault kind:op[:seconds]`` rules (each fires once) to a SimDriver."""
-    for f in faults:
-        kind, op, *rest = f.split(":")
-        if kind == "delay":
-            driver.faults.delay(op, float(rest[0]) if rest else 1.0)
-        elif kind == "fail":
-            driver.faults.fail(op)
-        elif kind == "crash_after":
-            driver.faults.crash_after(op)
-        elif kind == "inconclusive":
-            driver.faults.inconclusive()
-
-
 async def _cancel_hard(task: asyncio.Future[Any]) -> None:
     """Cancel until it takes (see shared.tasks): nats-py's initial connect otherwise just tries
     the next server."""
@@ -354,7 +340,7 @@ class Agent:
                                user_network=cfg.network == "user")
         driver = make_driver("sim", state_dir=cfg.runtime_dir, seed=cfg.sim_seed, vnc_displays=displays,
                              image_store=cfg.images)
-        _sim_faults(driver, cfg.sim_faults)
+        driver.faults.apply_flags(cfg.sim_faults)  # type: ignore[attr-defined]
         return driver
 
     async def _subscribe(self) -> Any:

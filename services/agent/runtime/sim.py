@@ -124,6 +124,19 @@ class SimFaults:
     ) -> FaultRule:
         return self._add(FaultRule("inconclusive", "inspect", vm_id, times, probability))
 
+    def apply_flags(self, flags: tuple[str, ...]) -> None:
+        """The agent's ``--sim-fault kind:op[:seconds]`` rules (each fires once)."""
+        for f in flags:
+            kind, op, *rest = f.split(":")
+            if kind == "delay":
+                self.delay(op, float(rest[0]) if rest else 1.0)
+            elif kind == "fail":
+                self.fail(op)
+            elif kind == "crash_after":
+                self.crash_after(op)
+            elif kind == "inconclusive":
+                self.inconclusive()
+
     def clear(self) -> None:
         self.rules.clear()
 
