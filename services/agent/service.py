@@ -85,7 +85,7 @@ from shared.fence.schema import (
 )
 from shared.httpserve import HealthServer
 from shared.subjects import Subjects
-from shared.tasks import cancel_and_wait, end_within, run_within, sleep_unless_set, unless_set
+from shared.tasks import cancel_and_wait, end_within, run_main, run_within, sleep_unless_set, unless_set
 
 log = logging.getLogger("vmfence.agent")
 
@@ -777,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
     if config is None:
         return EXIT_CONFIG
     try:
-        asyncio.run(_serve(config))
+        run_main(_serve(config))
     except AgentStartError as e:
         print(f"{config.PROG}: error: {e}", file=sys.stderr)
         return 1

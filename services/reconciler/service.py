@@ -43,7 +43,7 @@ from shared.fence.schema import Input
 from shared.fence.state import KeyState
 from shared.httpserve import HealthServer, ListenError
 from shared.subjects import Subjects
-from shared.tasks import cancel_and_wait, sleep_unless_set, unless_set
+from shared.tasks import cancel_and_wait, run_main, sleep_unless_set, unless_set
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -454,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = start(ReconcilerConfig, argv)
     if cfg is None:
         return EXIT_CONFIG
-    return asyncio.run(_main(cfg))
+    return run_main(_main(cfg))
 
 
 async def _main(cfg: ReconcilerConfig) -> int:

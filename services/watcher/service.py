@@ -26,6 +26,7 @@ from shared.bus.wire import META_PARTITIONS
 from shared.config import EXIT_CONFIG, ConfigError, KubeSettings, ServiceSettings, config_error, load, setting, start
 from shared.httpserve import HealthServer
 from shared.kubeclient import load_api_client
+from shared.tasks import run_main
 
 from .watch import WATCH_TIMEOUT_S, Watcher
 
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return EXIT_CONFIG
     try:
-        asyncio.run(serve(cfg))
+        run_main(serve(cfg))
     except ConfigError as exc:
         return config_error(cfg.PROG, exc)
     except NatsAuthError as exc:
