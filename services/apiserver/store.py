@@ -567,6 +567,14 @@ class Store:
             else:
                 new.pop("status", None)
             if rt.kind == "Pod" and rt.group == "":
+                # the real pod status strategy keeps only the spec, ownerReferences and deletion
+                # fields of the stored pod: labels and annotations are written through pods/status
+                bm = body.get("metadata") or {}
+                for k in ("labels", "annotations"):
+                    if isinstance(bm.get(k), dict):
+                        new["metadata"][k] = deep_copy(bm[k])
+                    else:
+                        new["metadata"].pop(k, None)
                 self._validate_pod_status(rt, cur, new, patching)
         elif subresource is not None:
             raise ApiError(405, f"subresource {subresource!r} does not support this verb", "MethodNotAllowed")

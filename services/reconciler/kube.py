@@ -409,7 +409,7 @@ class K8sGateway:
                 obj = self._current(await self._get(key), fence)
                 diff = self._status_diff(key, obj, intent, fence)
             try:
-                latest = await self._apply_status(key, obj, diff, intent, fence)
+                latest = await self._apply_status(key, obj, diff, fence)
             except KubeError as exc:
                 if exc.status == 404:
                     raise _Outcome("gone", str(exc)) from exc
@@ -426,57 +426,47 @@ class K8sGateway:
         raise _Outcome("failed", f"still conflicting after {CONFLICT_ATTEMPTS} re-reads")
 
     def _status_diff(self, key: Key, obj: JSON, intent: PodStatusIntent, fence: Fence) -> JSON:
-        """The merge patch of ``status`` that turns ``obj``'s status into the intended one."""
+        """The merge patch that turns ``obj`` into the intended status: its ``status`` and, for a
+        pod, the runtime annotations under ``metadata`` (a pods/status write changes a pod's
+        annotations on the real kube-apiserver, so both go in one request). Empty: nothing to write."""
         cur = obj.get("status") or {}
-        if key.kind == "pod":
-            host_ip = self.host_ip(intent.host) if self.host_ip and intent.host else None
-            want = pod_status(obj, intent, host_ip)
-        else:
-            want = vm_status(obj, intent, fence.epoch)
-        return merge_diff(cur, want)
-
-    async def _apply_status(self, key: Key, obj: JSON, diff: JSON, intent: PodStatusIntent, fence: Fence) -> JSON:
-        """Patch status by ``diff`` (uid + resourceVersion of ``obj``), then the runtime annotations
-        (uid) judged against the status patch's answer. Returns the object as the last request
-        left it (``obj`` itself when nothing needed writing)."""
-        latest = obj
-        if diff:
-            body = {
-                "metadata": {"uid": fence.uid, "resourceVersion": meta(obj).get("resourceVersion")},
-                "status": diff,
-            }
-            if key.kind == "pod":
-                latest = await self._retrying(
-                    self.core.patch_namespaced_pod_status,
-                    key.name,
-                    key.namespace,
-                    body,
-                    _content_type=MERGE_PATCH,
-                )
-            else:
-                latest = await self._retrying(
-                    self.custom.patch_namespaced_custom_object_status,
-                    VM_GROUP,
-                    VM_VERSION,
-                    key.namespace,
-                    VM_PLURAL,
-                    key.name,
-                    body,
-                    _content_type=MERGE_PATCH,
-                )
         if key.kind != "pod":
-            return latest
-        have = meta(latest).get("annotations") or {}
+            status = merge_diff(cur, vm_status(obj, intent, fence.epoch))
+            return {"status": status} if status else {}
+        host_ip = self.host_ip(intent.host) if self.host_ip and intent.host else None
+        patch: JSON = {}
+        status = merge_diff(cur, pod_status(obj, intent, host_ip))
+        if status:
+            patch["status"] = status
+        have = meta(obj).get("annotations") or {}
         network = self.host_network(intent.host) if self.host_network and intent.host else None
         want_ann = runtime_annotations(intent, fence.epoch)
         want_ann[ANN_NETWORK] = network if network in ("user", "none") and intent.ip is None else None
         ann = {k: v for k, v in want_ann.items() if have.get(k) != v}
         if ann:
-            body = {"metadata": {"uid": fence.uid, "annotations": ann}}
-            latest = await self._retrying(
-                self.core.patch_namespaced_pod, key.name, key.namespace, body, _content_type=MERGE_PATCH
-            )
-        return latest
+            patch["metadata"] = {"annotations": ann}
+        return patch
+
+    async def _apply_status(self, key: Key, obj: JSON, diff: JSON, fence: Fence) -> JSON:
+        """One merge patch of the status subresource by ``diff``, under the uid and resourceVersion
+        of ``obj``. Returns the object as the server left it (``obj`` itself when ``diff`` is empty)."""
+        if not diff:
+            return obj
+        precondition = {"uid": fence.uid, "resourceVersion": meta(obj).get("resourceVersion")}
+        body = {**diff, "metadata": {**diff.get("metadata", {}), **precondition}}
+        if key.kind == "pod":
+            return await self._retrying(
+                self.core.patch_namespaced_pod_status, key.name, key.namespace, body, _content_type=MERGE_PATCH)
+        return await self._retrying(
+            self.custom.patch_namespaced_custom_object_status,
+            VM_GROUP,
+            VM_VERSION,
+            key.namespace,
+            VM_PLURAL,
+            key.name,
+            body,
+            _content_type=MERGE_PATCH,
+        )
 
     async def _deleting_write(self, key: Key, fence: Fence, send: Callable[[], Awaitable[JSON]]) -> None:
         for _round in range(CONFLICT_ATTEMPTS):

@@ -235,18 +235,16 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "kube-conflict-resends-the-fresh-object", KUBE_PY,
-        '                "metadata": {"uid": fence.uid, "resourceVersion": meta(obj).get("resourceVersion")},\n'
-        '                "status": diff,\n',
-        '                "metadata": {"uid": fence.uid},\n'
-        '                "status": diff,\n',
+        '        precondition = {"uid": fence.uid, "resourceVersion": meta(obj).get("resourceVersion")}\n',
+        '        precondition = {"uid": fence.uid}\n',
         "rule 6: a status patch carries the resourceVersion it was built on, so a concurrent change is a "
         "409 and the intent is re-applied to the fresh object — never a silent overwrite",
         KUBE,
     ),
     Mutant(
         "kube-status-patch-without-uid", KUBE_PY,
-        '                "metadata": {"uid": fence.uid, "resourceVersion": meta(obj).get("resourceVersion")},\n',
-        '                "metadata": {"resourceVersion": meta(obj).get("resourceVersion")},\n',
+        '        precondition = {"uid": fence.uid, "resourceVersion": meta(obj).get("resourceVersion")}\n',
+        '        precondition = {"resourceVersion": meta(obj).get("resourceVersion")}\n',
         "rule 4: a status patch carries metadata.uid",
         KUBE,
         equivalent=(
@@ -272,10 +270,11 @@ MUTANTS: tuple[Mutant, ...] = (
         KUBE,
     ),
     Mutant(
-        "kube-annotations-patch-without-uid", KUBE_PY,
-        '            body = {"metadata": {"uid": fence.uid, "annotations": ann}}\n',
-        '            body = {"metadata": {"annotations": ann}}\n',
-        "rule 4: the runtime annotations patch carries metadata.uid",
+        "kube-status-patch-without-preconditions", KUBE_PY,
+        '        precondition = {"uid": fence.uid, "resourceVersion": meta(obj).get("resourceVersion")}\n',
+        "        precondition = {}\n",
+        "rule 4: the status patch, which carries a pod's runtime annotations too, is fenced by the uid and "
+        "resourceVersion it was built on: a successor under the name never shows its predecessor's VM",
         KUBE,
     ),
     # ------------------------------------------------------- the kernel's rules (shared/fence/decide/)

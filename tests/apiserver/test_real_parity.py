@@ -73,6 +73,16 @@ async def _answers(api: client.ApiClient) -> list[tuple[str, object]]:
     await core.patch_namespaced_pod("held", NS, {"metadata": {"finalizers": None}}, _content_type=MERGE)
     out.append(("bind with another name", await _raw(core.create_namespaced_pod_binding, "d1", NS,
                                                      {**binding("vmfence-x"), "metadata": {"name": "other"}})))
+    annotated = {"metadata": {"name": "annotated", "annotations": {"example.com/keep": "1", "example.com/drop": "1"}},
+                 "spec": {"containers": [{"name": "main", "image": "busybox"}]}}
+    await core.create_namespaced_pod(NS, annotated)
+    through_status = {"metadata": {"annotations": {"example.com/new": "v", "example.com/drop": None},
+                                   "labels": {"example.com/l": "x"}}, "status": {"message": "m"}}
+    code = await _raw(core.patch_namespaced_pod_status, "annotated", NS, through_status, _content_type=MERGE)
+    got = await core.read_namespaced_pod("annotated", NS)
+    # the gateway writes a pod's runtime annotations in its status patch: the real server keeps them
+    out.append(("annotations and labels through pods/status",
+                (code, got.metadata.annotations, got.metadata.labels, got.status.message)))
     gw = K8sGateway(api, host_ip=lambda host: "192.168.50.1")
     for n, intent in enumerate(INTENTS):
         done = await gw.write(Key("pod", NS, "d1"), KubeWrite(f"w{n}", "status", Fence(f"{NS}/d1", uid, 1),
@@ -159,5 +169,7 @@ async def test_binding_and_status_answers_match_the_real_api_server(real: client
     assert kept["status patch with a deleted predecessor's uid and resourceVersion"] == 409
     assert kept["vmfence's status of a deleted predecessor, from its kept object"] == "superseded"
     assert kept["the successor untouched"] == (True, "Pending", True)
+    assert kept["annotations and labels through pods/status"] == (
+        200, {"example.com/keep": "1", "example.com/new": "v"}, {"example.com/l": "x"}, "m")
     differ = [(what, r, d) for (what, r), (_, d) in zip(real_answers, dev_answers, strict=True) if r != d]
     assert not differ, f"the development server answers differently from the real one: {differ}"

@@ -192,11 +192,14 @@ async def test_status_subresource_isolation(core: client.CoreV1Api) -> None:
         "s",
         NS,
         {
-            "metadata": {"labels": {"ignored": "yes"}},
+            "metadata": {"labels": {"kept": "yes"}},
+            "spec": {"nodeName": "ignored"},
             "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "False"}]},
         },
     )
-    assert st.status.phase == "Running" and not st.metadata.labels
+    # as the real pod status strategy: the spec is the stored one, labels and annotations are written
+    # (tests/apiserver/test_real_parity.py checks the same against the real kube-apiserver)
+    assert st.status.phase == "Running" and st.metadata.labels == {"kept": "yes"} and not st.spec.node_name
     # strategic merge of conditions by type
     st = await core.patch_namespaced_pod_status(
         "s",
@@ -208,7 +211,7 @@ async def test_status_subresource_isolation(core: client.CoreV1Api) -> None:
     main = await core.patch_namespaced_pod(
         "s", NS, {"status": {"phase": "Failed"}, "metadata": {"labels": {"k": "v"}}}, _content_type=MERGE
     )
-    assert main.status.phase == "Running" and main.metadata.labels == {"k": "v"}
+    assert main.status.phase == "Running" and main.metadata.labels == {"kept": "yes", "k": "v"}
     # a no-op write does not bump the resourceVersion
     again = await core.patch_namespaced_pod(
         "s", NS, {"metadata": {"labels": {"k": "v"}}}, _content_type=MERGE

@@ -30,7 +30,7 @@ ALLOWED: dict[str, dict[tuple[str, str, str], set[str]]] = {
         ("vmfence.io", "virtualmachines", "*"): {"get", "list", "watch"},
     },
     "reconciler": {
-        ("", "pods", "*"): {"get", "list", "watch", "patch", "delete"},
+        ("", "pods", "*"): {"get", "list", "watch", "delete"},
         ("", "pods/status", "*"): {"get", "patch", "update"},
         ("", "pods/eviction", "*"): {"create"},
         ("", "events", "*"): {"create", "patch"},

@@ -1,5 +1,5 @@
 """Fixed regressions for the gateway's uid fences that no other test reaches (issue 16, found by the
-mutants catalogue): the race between a status write's two patches."""
+mutants catalogue): a pod recreated under its name while its status write is in flight."""
 
 from __future__ import annotations
 
@@ -16,34 +16,35 @@ from .conftest import NS, pod_body
 RUNNING = PodStatusIntent(phase="Running", ready=True, vm_id="vm-1", host="host-a", ip="10.1.0.5", vnc_port=5901)
 
 
-async def test_a_pod_recreated_between_the_status_and_the_annotations_patch_is_superseded(
+async def test_a_pod_recreated_between_the_read_and_the_status_patch_is_superseded(
     core: client.CoreV1Api, gateway: K8sGateway
 ) -> None:
-    """A status write sends the status patch (uid + resourceVersion), then the runtime annotations
-    patch. The pod is deleted and recreated under its name between the two: the annotations patch
-    carries ``metadata.uid`` and is refused, so the successor never shows the predecessor's VM, host
-    or IP, and the outcome is ``superseded`` (rule 4/6)."""
+    """A status write reads the pod consistently, then sends one patch of pods/status carrying the
+    status and the runtime annotations under the read's uid and resourceVersion. The pod is deleted
+    and recreated under its name between the two: the patch is refused, so the successor never shows
+    the predecessor's VM, host or IP, and the outcome is ``superseded`` (rule 4/6)."""
     old = await core.create_namespaced_pod(NS, pod_body("p"), _preload_content=False)
     old_uid = (await old.json())["metadata"]["uid"]
     successor: dict[str, Any] = {}
-    patch_annotations = gateway.core.patch_namespaced_pod
+    patch_status = gateway.core.patch_namespaced_pod_status
 
     async def recreate_first(*args: Any, **kwargs: Any) -> Any:
-        if not successor:  # the annotations patch is on its way: the name changes hands now
+        if not successor:  # the status patch is on its way: the name changes hands now
             await core.delete_namespaced_pod("p", NS, grace_period_seconds=0)
             resp = await core.create_namespaced_pod(NS, pod_body("p"), _preload_content=False)
             successor.update(await resp.json())
-        return await patch_annotations(*args, **kwargs)
+        return await patch_status(*args, **kwargs)
 
-    gateway.core.patch_namespaced_pod = recreate_first  # type: ignore[method-assign]
+    gateway.core.patch_namespaced_pod_status = recreate_first  # type: ignore[method-assign]
     key = Key("pod", NS, "p")
     done = await gateway.write(key, KubeWrite(id="w", verb="status", fence=Fence(str(key), old_uid, 1), status=RUNNING))
-    assert successor, "the write never reached its annotations patch"
+    assert successor, "the write never reached its status patch"
     assert done.outcome == "superseded", done
     resp = await core.read_namespaced_pod("p", NS, _preload_content=False)
     now = await resp.json()
     assert now["metadata"]["uid"] == successor["metadata"]["uid"] != old_uid
     assert not any(k.startswith("vmfence.io/") for k in now["metadata"].get("annotations") or {}), now["metadata"]
+    assert (now.get("status") or {}).get("phase") != "Running", now["status"]
 
 
 async def test_a_write_without_a_uid_fence_is_refused_before_any_request(

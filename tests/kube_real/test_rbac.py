@@ -35,6 +35,7 @@ FORBIDDEN: dict[str, list[tuple[str, str, str, str, str]]] = {
     ],
     "reconciler": [
         ("create", "", "pods", "", "default"), ("update", "", "pods", "", "default"),
+        ("patch", "", "pods", "", "default"),  # its annotations go through pods/status
         ("get", "", "secrets", "", "default"), ("list", "", "secrets", "", ""),
         ("get", "", "configmaps", "", "default"), ("create", "", "namespaces", "", ""),
         ("delete", "", "namespaces", "", ""), ("create", "", "serviceaccounts", "token", "default"),
