@@ -82,8 +82,15 @@ def test_bench_all_smoke() -> None:
         assert cpu["total"] == pytest.approx(sum(cpu[c] for c in COMPONENTS), abs=0.01)
     for x in sizes:
         assert all(is_number(x[f]) for f in SIZE_FIELDS), x
+        # what the libraries alone charge for the pod's requests and messages, a lower bound of its CPU
+        floor = x["library_floor_ms_per_pod"]
+        assert floor["kube"] > 0 and floor["nats"] > 0 and x["nats_msgs_per_pod"] > 0, x
+        assert floor["total"] == pytest.approx(floor["kube"] + floor["nats"], abs=0.02)
+        assert x["over_floor"] == pytest.approx(x["cpu_ms_per_pod"]["total"] / floor["total"], rel=0.02)
     assert is_number(figs["pods"]["baseline_bare_api"][0]["apiserver_cpu_ms_per_create"])
     assert is_number(r["fleet"]["raw_publish_per_s"]["async"])
+    per_msg = r["fleet"]["raw_publish_cpu_us_per_msg"]
+    assert per_msg["client"] > 0 and per_msg["nats"] > 0
     assert figs["replay"]["audit_clean"] is True
     assert r["machine"]["cpus"] >= 1
 

@@ -301,6 +301,12 @@ class FleetBench:
         got = body.get("requests") if isinstance(body, dict) else None
         return {str(k): int(v) for k, v in got.items()} if isinstance(got, dict) else None
 
+    async def nats_msgs(self) -> int:
+        """Messages nats-server has received plus sent (``/varz`` in_msgs + out_msgs), every client's."""
+        assert self.nats is not None
+        v = await self.nats.varz()
+        return int(v.get("in_msgs", 0)) + int(v.get("out_msgs", 0))
+
     # ------------------------------------------------------------------------------ figures
     async def pods(self, n: int) -> dict[str, Any]:
         """n pods created as fast as the client can, to all Running, then deleted to zero VMs;
@@ -312,6 +318,7 @@ class FleetBench:
         spies = self._profile(f"pods{n}")
         req0 = await self.api_requests()
         meter = CpuMeter(self.pids)
+        msgs0 = await self.nats_msgs()
         meter.start()
         t0 = time.time()
         await _bounded(n, self.size["create_concurrency"], lambda i: self._create_only(names[i]))
@@ -319,10 +326,13 @@ class FleetBench:
         t_run = await self.tracker.wait(lambda: all(nm in self.tracker.running_at for nm in names),  # type: ignore[union-attr]
                                         120 + n / 10, f"{n} pods Running")
         up = meter.stop()
+        msgs1 = await self.nats_msgs()
         entries, decisions = await count_decisions(js, subjects, start_seq)
+        msgs2 = await self.nats_msgs()
         meter.start()
         issued, to_zero = await self.delete_all_and_wait(names, 120 + n / 10)
         down = meter.stop()
+        msgs3 = await self.nats_msgs()
         req1 = await self.api_requests()
         await self._stop_profile(spies)
         both = {k: up.get(k, 0.0) + down.get(k, 0.0) for k in up.keys() | down.keys()}
@@ -342,6 +352,7 @@ class FleetBench:
             "decisions_per_pod": round(decisions / n, 2),
             "cpu_ms_per_pod": CpuMeter.per_unit_ms(both, n),
             "cpu_ms_per_pod_up": CpuMeter.per_unit_ms(up, n),
+            "nats_msgs_per_pod": round((msgs1 - msgs0 + msgs3 - msgs2) / n, 2),
             **extra,
         }
 
@@ -440,12 +451,12 @@ async def bare_api_baseline(n: int, concurrency: int, tmp: str) -> dict[str, Any
 
             assert proc.popen is not None
             pid = proc.popen.pid
-            c0, t0 = cpu_seconds(pid), time.perf_counter()
+            c0, t0, own0 = cpu_seconds(pid), time.perf_counter(), time.process_time()
             await _bounded(n, concurrency, create)
             create_s, c1 = time.perf_counter() - t0, cpu_seconds(pid)
             t0 = time.perf_counter()
             await _bounded(n, concurrency, delete)
-            delete_s, c2 = time.perf_counter() - t0, cpu_seconds(pid)
+            delete_s, c2, own2 = time.perf_counter() - t0, cpu_seconds(pid), time.process_time()
     finally:
         await proc.stop()
     return {
@@ -454,7 +465,25 @@ async def bare_api_baseline(n: int, concurrency: int, tmp: str) -> dict[str, Any
         "deletes_per_s": round(n / delete_s, 1),
         "apiserver_cpu_ms_per_create": round(1000 * (c1 - c0) / n, 3),
         "apiserver_cpu_ms_per_delete": round(1000 * (c2 - c1) / n, 3),
+        # the same two requests' cost to the client (kubernetes-asyncio + aiohttp): the floor under
+        # each request a vmfence service makes
+        "client_cpu_ms_per_request": round(1000 * (own2 - own0) / (2 * n), 3),
+        "apiserver_cpu_ms_per_request": round(1000 * (c2 - c0) / (2 * n), 3),
     }
+
+
+def library_floor(pods: dict[str, Any], bare: dict[str, Any], per_msg_us: dict[str, float]) -> dict[str, float]:
+    """What the libraries alone charge for the requests and messages one pod took, in ms: every
+    Kubernetes request at the bare server's and client's cost per request (the harness's own create
+    and delete at the server's only: its CPU is not in the stack's total), every nats message at the
+    raw publish's cost per message (client and server). A lower bound: watch streams, decoding and
+    vmfence's own work are not in it."""
+    requests = sum((pods.get("api_requests_per_pod") or {}).values())
+    harness = 2.0  # the bench's create and delete of each pod
+    kube = requests * bare["apiserver_cpu_ms_per_request"] + max(0.0, requests - harness) * bare[
+        "client_cpu_ms_per_request"]
+    nats = pods["nats_msgs_per_pod"] * (per_msg_us["client"] + per_msg_us["nats"]) / 1000
+    return {"kube": round(kube, 2), "nats": round(nats, 2), "total": round(kube + nats, 2)}
 
 
 async def run_fleet(size: dict[str, Any], sizes: list[int], loads: list[int], seconds: float, tmp: str,
@@ -469,12 +498,23 @@ async def run_fleet(size: dict[str, Any], sizes: list[int], loads: list[int], se
     out["bare_api"] = [await bare_api_baseline(n, size["create_concurrency"], tmp) for n in sorted(set(sizes))]
     async with FleetBench(size, tmp, profile_dir) as fleet:
         say("baseline: raw publish")
+        nats_pid = fleet.pids()["nats"]
+        msgs0, own0, srv0 = await fleet.nats_msgs(), time.process_time(), cpu_seconds(nats_pid)
         sync_rate, async_rate = await raw_publish_rates(fleet.bus, size["raw_n"])
+        own1, srv1 = time.process_time(), cpu_seconds(nats_pid)
+        msgs = max(1, await fleet.nats_msgs() - msgs0)
         out["raw_publish_per_s"] = {"sync": round(sync_rate, 1), "async": round(async_rate, 1)}
+        per_msg = {"client": round(1e6 * (own1 - own0) / msgs, 2), "nats": round(1e6 * (srv1 - srv0) / msgs, 2)}
+        out["raw_publish_cpu_us_per_msg"] = per_msg
         out["pods"] = []
         for n in sizes:
             say(f"pods: {n}")
-            out["pods"].append(await fleet.pods(n))
+            got = await fleet.pods(n)
+            bare = next(b for b in out["bare_api"] if b["pods"] == n)
+            got["library_floor_ms_per_pod"] = library_floor(got, bare, per_msg)
+            floor = got["library_floor_ms_per_pod"]["total"]
+            got["over_floor"] = round(got["cpu_ms_per_pod"]["total"] / max(1e-9, floor), 2)
+            out["pods"].append(got)
         out["latency"] = []
         for rate in loads:
             say(f"latency at {rate}/s")

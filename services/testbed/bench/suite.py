@@ -490,6 +490,7 @@ async def run_all(
             fleet = await run_fleet(sz, sizes if "pods" in only else [], sz["loads"] if "latency" in only else [],
                                     sz["load_seconds"], os.path.join(tmp, "fleet"))
             out["fleet"] = {"layout": fleet["layout"], "raw_publish_per_s": fleet["raw_publish_per_s"],
+                            "raw_publish_cpu_us_per_msg": fleet["raw_publish_cpu_us_per_msg"],
                             "seconds": round(time.perf_counter() - t_fig, 1)}
             if "latency" in only:
                 at200 = next((x for x in fleet["latency"] if x["offered_per_s"] == 200), None)
