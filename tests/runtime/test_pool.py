@@ -41,10 +41,18 @@ def test_claim_restores_and_refuses_conflicts() -> None:
 
 
 def test_reserve_skips_displays_whose_port_is_taken() -> None:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.listen()
+    # a listener on an ephemeral port whose next port is free (other tests' servers run meanwhile
+    # on ephemeral ports too: the suite once met a taken next port)
+    for _ in range(50):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.listen()
+        if _port_free(port + 1):
+            break
+        s.close()
+    else:
+        pytest.fail("no ephemeral port with a free next port in 50 tries")
     try:
         display = port - DisplayPool.BASE_PORT
         if display < 0:
