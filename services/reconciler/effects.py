@@ -50,15 +50,7 @@ class _Fire:
     timer: TimerArmed
 
 
-@dataclass(frozen=True)
-class Resend:
-    """A command of the outbox sent again under a Msg-Id of this writer's generation: a host
-    refused a predecessor's copy of it (same id) that the stream's dedupe let stand for ours."""
-
-    commanded: Commanded
-
-
-Work = Effect | _Fire | Resend
+Work = Effect | _Fire
 
 
 class EffectRunner:
@@ -87,9 +79,9 @@ class EffectRunner:
         self.idle = asyncio.Event()
         self.idle.set()
         self._busy = 0
-        # (command id, host) -> key: a host refused a predecessor's copy of a command this writer
-        # did not know yet (a hand-over's foreign tail, read later): when it is carried out, it goes
-        # under a Msg-Id of our generation, not deduped against the refused copy
+        # (command id, host) -> key: a host refused a predecessor's copy of the command (same id),
+        # which the stream's dedupe would let stand for ours: whenever ours is carried out (now, or
+        # after a hand-over's foreign tail is read), it goes under a Msg-Id of our generation
         self._refused: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
 
     def submit(self, key: str, effect: Work) -> None:
@@ -125,7 +117,7 @@ class EffectRunner:
         self._timers[handle_key] = loop.call_later(max(0.0, timer.delay_s), fire)
 
     def refused_copy(self, key: str, command_id: str, host: str) -> None:
-        """``host`` refused an older writer's copy of ``command_id``: send ours as a Resend."""
+        """``host`` refused an older writer's copy of ``command_id``: ours goes under our generation."""
         self._refused[(command_id, host)] = key
         self._refused.move_to_end((command_id, host))
         while len(self._refused) > REFUSED_COPIES_LIMIT:
@@ -200,18 +192,15 @@ class EffectRunner:
     async def _execute(self, key: Key, work: Work) -> None:
         start = time.perf_counter()
         kind = type(work).__name__
-        resend = isinstance(work, Resend)
-        if isinstance(work, Resend):
-            work = work.commanded
-        elif isinstance(work, Commanded) and (work.command.id, work.command.host) in self._refused:
-            resend = True  # its host refused the copy the stream's dedupe would let stand for ours
+        # its host refused the copy the stream's dedupe would let stand for ours
+        resend = isinstance(work, Commanded) and (work.command.id, work.command.host) in self._refused
         match work:
             case Commanded(command=cmd):
                 # the writer that sends a command vouches for it now (after a handover, the new
                 # writer re-sends its log's outbox): it carries this writer's generation. Its
                 # Msg-Id is the command's id, so a predecessor's copy still queued (the same
                 # command, decided in the same log) stands for it; if a host refuses that copy for
-                # its generation, ours goes again under a Msg-Id naming ours (Resend)
+                # its generation, ours goes again under a Msg-Id naming ours (refused_copy)
                 gen = self.gen(self.subjects.partition(key))
                 payload = encode(msgspec.structs.replace(cmd, gen=gen))
                 if len(payload) > MAX_COMMAND_BYTES:

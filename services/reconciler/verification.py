@@ -16,7 +16,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from services.reconciler.effects import EffectRunner, Resend
+from services.reconciler.effects import EffectRunner
 from services.reconciler.keytable import KeySlot
 from shared.bus.append import publish_input
 from shared.fence.decide import DecideEnv
@@ -139,14 +139,13 @@ class PartitionVerifier:
         if r.floor > self.gen:
             self._outgrown(r.host, r.floor)
             return False
+        # remembered even when the command is not in our outbox (yet): the key's entries a
+        # predecessor appended after our load may hold it, and the re-read carries it out
+        self.effects.refused_copy(key, r.command_id, r.host)
         slot = self.keys.get(key)
         pending = slot.state.outbox.get(r.command_id) if slot is not None else None
         if isinstance(pending, Commanded) and pending.command.host == r.host:
-            self.effects.submit(key, Resend(pending))
-        else:
-            # not in our outbox (yet): the key's entries a predecessor appended after our load may
-            # hold it, and the re-read carries it out -- then not as the copy the host refused
-            self.effects.refused_copy(key, r.command_id, r.host)
+            self.effects.submit(key, pending)
         return True
 
     async def _verified_answer(self, msg: Msg, p: int, sender: str) -> None:

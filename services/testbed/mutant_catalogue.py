@@ -643,7 +643,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "partition-never-resends-a-refused-command", VERIFICATION_PY,
-        "            self.effects.submit(key, Resend(pending))\n",
+        "            self.effects.submit(key, pending)\n",
         "            pass\n",
         "rule 11: a command of our outbox whose predecessor's copy (same Msg-Id) a host refused for "
         "its generation goes again under ours, or it would never be answered",
@@ -651,8 +651,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "partition-forgets-a-refusal-of-a-command-not-yet-read", VERIFICATION_PY,
-        "            self.effects.refused_copy(key, r.command_id, r.host)\n",
-        "            pass\n",
+        "        self.effects.refused_copy(key, r.command_id, r.host)\n",
+        "        pass\n",
         "rule 11: a refusal that arrives before this writer read the predecessor's entry that "
         "commanded it still makes our copy go under our generation, or the stream's dedupe drops it",
         ("tests/reconciler/test_partition_verify.py",),
