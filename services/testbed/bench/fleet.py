@@ -498,13 +498,14 @@ async def run_fleet(size: dict[str, Any], sizes: list[int], loads: list[int], se
     out["bare_api"] = [await bare_api_baseline(n, size["create_concurrency"], tmp) for n in sorted(set(sizes))]
     async with FleetBench(size, tmp, profile_dir) as fleet:
         say("baseline: raw publish")
-        nats_pid = fleet.pids()["nats"]
-        msgs0, own0, srv0 = await fleet.nats_msgs(), time.process_time(), cpu_seconds(nats_pid)
+        meter = CpuMeter(lambda: {k: v for k, v in fleet.pids().items() if k in ("harness", "nats")})
+        msgs0 = await fleet.nats_msgs()
+        meter.start()
         sync_rate, async_rate = await raw_publish_rates(fleet.bus, size["raw_n"])
-        own1, srv1 = time.process_time(), cpu_seconds(nats_pid)
+        spent = meter.stop()
         msgs = max(1, await fleet.nats_msgs() - msgs0)
         out["raw_publish_per_s"] = {"sync": round(sync_rate, 1), "async": round(async_rate, 1)}
-        per_msg = {"client": round(1e6 * (own1 - own0) / msgs, 2), "nats": round(1e6 * (srv1 - srv0) / msgs, 2)}
+        per_msg = {"client": round(1e6 * spent["harness"] / msgs, 2), "nats": round(1e6 * spent["nats"] / msgs, 2)}
         out["raw_publish_cpu_us_per_msg"] = per_msg
         out["pods"] = []
         for n in sizes:
