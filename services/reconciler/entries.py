@@ -5,6 +5,11 @@ consuming, loading, the log tail and quarantine around it.
 Inputs of one key that queue for its lock while its entry is being appended are decided together
 into the next entry (a group commit of the key's log). A lost append race re-reads the key and
 decides again; a re-read that lost entries the writer had folded rebuilds the key (``Rebuilt``).
+
+The completion of a status or event write that succeeded decides only ``Done``: it is folded at
+once but logged first in the key's next entry, or alone after ``done_linger_s`` (``_defer``). Two of
+a pod's ~10 entries were such completions. Until it is logged, a crash or a lost race leaves the
+write in the outbox of the log, and it is made again (rule 11: a write is idempotent).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from nats.js import JetStreamContext
 from services.reconciler import metrics
 from services.reconciler.effects import EffectRunner
 from services.reconciler.inventory import InventoryIndex
-from services.reconciler.keytable import KeySlot
+from services.reconciler.keytable import KeySlot, pack_state, unpack_encoded
 from shared.bus.append import LostRace, fenced_append
 from shared.fence.decide import DecideEnv, decide, rebuild
 from shared.fence.keys import Key
@@ -41,6 +46,7 @@ from shared.fence.schema import (
     Rebuilt,
     Skipped,
     TimerArmed,
+    WriteDone,
     WriteRequested,
     decision_name,
     encode,
@@ -52,6 +58,8 @@ from shared.subjects import Subjects
 log = logging.getLogger("services.reconciler.partition")  # one logger for the partition's lines
 
 MAX_RACE_RETRIES = 8  # lost races on one input before giving up (and not acking it)
+DEFERRABLE_VERBS = frozenset({"status", "event"})  # writes whose completion may wait for the next entry
+MAX_DEFERRED = 8  # completions one key holds before they are logged with the next that comes
 CONFIRM_INLINE_TIMEOUT_S = 5.0
 
 
@@ -81,6 +89,8 @@ class KeyWriter:
     on_placed: Callable[[str, int, int], None]
     _max_seen: int
     _inflight_floors: Counter[int]
+    done_linger_s: float  # 0: every completion is logged at once
+    _deferred_keys: dict[str, float]  # keys with deferred completions -> when the first was (monotonic)
 
     async def _behind(self, slot: KeySlot) -> bool:
         raise NotImplementedError
@@ -174,6 +184,10 @@ class KeyWriter:
                 return True
             if not self.held:
                 return False
+            if msg is None and self._deferrable(slot, inp, decisions):
+                self._defer(slot, decisions)
+                metrics.INPUTS.labels(kind, "deferred").inc()
+                return True
             try:
                 await self._append(slot, decisions, kind)
             except EntryTooLarge as big:
@@ -221,12 +235,76 @@ class KeyWriter:
         if slot.state.outbox and slot.state.key not in self.quarantined:
             self.effects.submit_all(slot.state.key, list(slot.state.outbox.values()))
 
+    def _deferrable(self, slot: KeySlot, inp: Input, decisions: list[Decision]) -> bool:
+        """A write of ours that succeeded, whose completion decides nothing but ``Done``."""
+        if self.done_linger_s <= 0 or not isinstance(inp, WriteDone) or inp.outcome != "ok":
+            return False
+        if len(slot.deferred or ()) + len(decisions) > MAX_DEFERRED:
+            return False
+        outbox = slot.state.outbox
+        for d in decisions:
+            if not isinstance(d, Done):
+                return False
+            eff = outbox.get(d.effect_id)
+            if not isinstance(eff, WriteRequested) or eff.write.verb not in DEFERRABLE_VERBS:
+                return False
+        return True
+
+    def _defer(self, slot: KeySlot, decisions: list[Decision]) -> None:
+        """Fold completions now and log them first in the key's next entry (see the module doc)."""
+        if slot.deferred is None:
+            slot.deferred_base, slot.deferred = pack_state(slot.state), []
+            self._deferred_keys[slot.state.key] = time.monotonic()
+        fold_all(slot.state, decisions)
+        slot.deferred.extend(decisions)
+        self.stats["deferred"] += len(decisions)
+
+    def _drop_deferred(self, slot: KeySlot) -> None:
+        """Back to the state the log holds: the deferred writes are in its outbox again."""
+        if slot.deferred_base is not None:
+            slot.state = decode_state(unpack_encoded(slot.deferred_base))
+        slot.deferred = slot.deferred_base = None
+        self._deferred_keys.pop(slot.state.key, None)
+
+    async def flush_deferred(self, *, older_than_s: float | None = None) -> int:
+        """Log the deferred completions alone: of keys whose first waited ``older_than_s`` (default
+        ``done_linger_s``), or of every key (0: before the partition is handed over). Returns how
+        many keys were written."""
+        age = self.done_linger_s if older_than_s is None else older_than_s
+        now, due = time.monotonic(), []
+        for key, since in self._deferred_keys.items():  # in the order they were deferred
+            if now - since < age:
+                break
+            due.append(key)
+        written = 0
+        for key in due:
+            slot = self.keys.get(key)
+            if slot is None:
+                self._deferred_keys.pop(key, None)
+                continue
+            async with slot.lock:
+                if not self.held or not slot.deferred:
+                    continue
+                try:
+                    await self._append(slot, [], "write_done")
+                    written += 1
+                except LostRace as race:
+                    await self._lost_race(slot, race)
+                except EntryTooLarge:  # cannot be (a few Done), but never wedge the loop on it
+                    self._drop_deferred(slot)
+                    self._owe(slot)
+            slot.release_idle()
+        return written
+
     async def _append(self, slot: KeySlot, decisions: list[Decision], kind: str) -> None:
         """One fenced append of the key's next entry, then fold it (LostRace: nothing changed).
-        While it is in flight its floor holds the snapshot watermark below its sequence."""
+        While it is in flight its floor holds the snapshot watermark below its sequence. Deferred
+        completions of the key go first in it (already folded)."""
         key = slot.state.key
+        deferred = slot.deferred or []
+        logged = deferred + decisions if deferred else decisions
         # the wall-clock time is for people reading the log (rule 12: no decision depends on it)
-        entry = LogEntry(key, slot.state.n + 1, decisions, input=kind, writer=self.writer, at=time.time())
+        entry = LogEntry(key, slot.state.n + 1, logged, input=kind, writer=self.writer, at=time.time())
         payload = encode(entry)
         if len(payload) > MAX_ENTRY_BYTES:
             raise EntryTooLarge(f"{len(payload)} bytes, above the bound of {MAX_ENTRY_BYTES}")
@@ -250,6 +328,12 @@ class KeyWriter:
                 del self._inflight_floors[floor]
         metrics.APPEND_SECONDS.observe(time.perf_counter() - start)
         fold_all(slot.state, decisions)
+        if deferred:
+            slot.deferred = slot.deferred_base = None
+            self._deferred_keys.pop(key, None)
+            for d in deferred:
+                metrics.DECISIONS.labels(decision_name(d)).inc()
+            self.stats["decisions"] += len(deferred)
         slot.state.n, slot.last_seq, slot.dirty = entry.n, seq, True
         self._max_seen = max(self._max_seen, seq)
         self.inventory.index(key, slot.state)

@@ -68,6 +68,11 @@ class KeySlot:
     # decides all of them into one entry (Partition._decide_waiting); None while none waits
     waiting: list[Any] | None = None
     _packed: bytes | None = None  # pack_state of the state while the key is idle
+    # completions folded into ``state`` but not logged yet (KeyWriter._defer): they go first in the
+    # key's next entry. ``deferred_base`` is pack_state of the state the log holds (what a snapshot
+    # saves and a re-read starts from); both None while nothing is deferred
+    deferred: list[Any] | None = None
+    deferred_base: bytes | None = None
 
     @property
     def state(self) -> KeyState:
@@ -95,6 +100,8 @@ class KeySlot:
 
     def encoded(self) -> bytes:
         """``encode_state`` of the state, without unpacking the slot."""
+        if self.deferred_base is not None:
+            return unpack_encoded(self.deferred_base)  # what the log holds, not what is deferred
         if self._packed is not None:
             return unpack_encoded(self._packed)
         return encode_state(self.state)

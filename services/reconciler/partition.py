@@ -54,6 +54,7 @@ from shared.tasks import cancel_and_wait
 log = logging.getLogger(__name__)
 
 MAX_INFLIGHT = 1024  # inputs being handled at once in one partition
+DONE_LINGER_S = 30.0  # a write's completion waits this long for its key's next entry (entries.py)
 FETCH_TIMEOUT_S = 1.0
 CONSUMER_RESTART_S = 0.5
 H_TRUNCATED = "Vmfence-Truncated"  # on a dead letter cut to MAX_INPUT_BYTES: the original's length
@@ -106,8 +107,11 @@ class Partition(KeyWriter, PartitionVerifier):
         fetch_batch: int = 256,
         inventory_stale_s: float = INVENTORY_STALE_S,
         gen: int = 0,
+        done_linger_s: float = DONE_LINGER_S,
     ) -> None:
         self.p = p
+        self.done_linger_s = done_linger_s
+        self._deferred_keys: dict[str, float] = {}
         # this writer's generation of the partition (its lease's revision when taken): every command
         # it sends carries it, and hosts it verified refuse what an older generation sent
         self.gen = gen
@@ -337,6 +341,7 @@ class Partition(KeyWriter, PartitionVerifier):
         """Re-read one key's log (after a lost race, or from scratch if ours is not a prefix).
         None if ours was a prefix of the log; else it was re-read from scratch, and the highest
         ``Rebuilt.epoch_floor`` the log holds is returned (-1: none)."""
+        self._drop_deferred(slot)  # re-read from what the log holds
         key = slot.state.key
         subject = self.subjects.log(key_of(key))
         floor = -1
@@ -397,8 +402,17 @@ class Partition(KeyWriter, PartitionVerifier):
             verify = tg.create_task(self._keep(self._verify_hosts, "partition verification"))
             self.hold_new_keys()
             held = tg.create_task(self.release_held())
+            loops = [tail, sweep, verify, held]
+            if self.done_linger_s > 0:
+                loops.append(tg.create_task(self._keep(self._log_lingering, "deferred completions")))
             await self._keep(self._consume, "consumer")
-            await cancel_and_wait([tail, sweep, verify, held], what="log tail")
+            await cancel_and_wait(loops, what="log tail")
+
+    async def _log_lingering(self) -> None:
+        """Completions deferred for ``done_linger_s`` with no next entry of their key are logged alone."""
+        while self.held:
+            await asyncio.sleep(min(1.0, self.done_linger_s / 4))  # a period, not a synchronisation
+            await self.flush_deferred()
 
     async def _keep(self, loop: Callable[[], Awaitable[None]], what: str) -> None:
         while self.held:

@@ -57,6 +57,7 @@ FLEET_LEASE = "fleet"
 FLEET_SYNC_S = 2.0
 INVENTORY_QUERY_TIMEOUT_S = 5.0  # one host's inventory answer (as `vmfence verify` waits)
 DRIFT_REPORTED = 5  # drift items named in the warning line of one check
+RELEASE_FLUSH_S = 5.0  # logging the deferred completions of a partition handed over
 _answer = msgspec.json.Decoder(InventoryAnswer)
 
 
@@ -278,7 +279,7 @@ class Reconciler:
             snapshots=self.snapshots, env=self.env, on_placed=self.hosts.placed,
             confirm=self.effects.gateway.confirm,
             ack_wait_s=self.cfg.ack_wait_s, max_ack_pending=self.cfg.max_ack_pending,
-            fetch_batch=self.cfg.fetch_batch, gen=lease.revision or 0,
+            fetch_batch=self.cfg.fetch_batch, gen=lease.revision or 0, done_linger_s=self.cfg.done_linger_s,
         )
         self._leases[p] = lease
         self.partitions[p] = part
@@ -295,6 +296,11 @@ class Reconciler:
         part = self.partitions.pop(p, None)
         lease = self._leases.pop(p, None)
         task = self._tasks.pop(p, None)
+        if part is not None and release and part.held:
+            # handed over on purpose, the lease still ours: log what is deferred rather than leave
+            # the next owner to make those writes again
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(part.flush_deferred(older_than_s=0), RELEASE_FLUSH_S)
         if part is not None:
             part.held = False
         if task is not None:
