@@ -304,7 +304,8 @@ class KeyWriter:
         deferred = slot.deferred or []
         logged = deferred + decisions if deferred else decisions
         # the wall-clock time is for people reading the log (rule 12: no decision depends on it)
-        entry = LogEntry(key, slot.state.n + 1, logged, input=kind, writer=self.writer, at=time.time())
+        label = f"write_done; {kind}"[:1000] if deferred and kind != "write_done" else kind
+        entry = LogEntry(key, slot.state.n + 1, logged, input=label, writer=self.writer, at=time.time())
         payload = encode(entry)
         if len(payload) > MAX_ENTRY_BYTES:
             raise EntryTooLarge(f"{len(payload)} bytes, above the bound of {MAX_ENTRY_BYTES}")
