@@ -40,7 +40,7 @@ class ReconcilerConfig(ServiceSettings, KubeSettings):
         "as a scheduler does; off = they wait for the scheduler's binding; auto = on against the development API "
         "server (no scheduler runs there), off against any other (a real control plane has kube-scheduler)",
         choices=("auto", "on", "off"))
-    done_linger_s: float = setting(30.0, "seconds the completion of a status or event write that succeeded may wait "
+    done_linger_s: float = setting(30.0, "seconds the completion of a status write that succeeded may wait "
                                    "to be logged with its pod's next entry instead of alone; 0 = logged at once "
                                    "(a crash meanwhile only makes the write again)", flag="--done-linger",
                                    lo=0.0, hi=3600.0)

@@ -6,7 +6,7 @@ Inputs of one key that queue for its lock while its entry is being appended are 
 into the next entry (a group commit of the key's log). A lost append race re-reads the key and
 decides again; a re-read that lost entries the writer had folded rebuilds the key (``Rebuilt``).
 
-The completion of a status or event write that succeeded decides only ``Done``: it is folded at
+The completion of a status write that succeeded decides only ``Done``: it is folded at
 once but logged first in the key's next entry, or alone after ``done_linger_s`` (``_defer``). Two of
 a pod's ~10 entries were such completions. Until it is logged, a crash or a lost race leaves the
 write in the outbox of the log, and it is made again (rule 11: a write is idempotent).
@@ -58,7 +58,7 @@ from shared.subjects import Subjects
 log = logging.getLogger("services.reconciler.partition")  # one logger for the partition's lines
 
 MAX_RACE_RETRIES = 8  # lost races on one input before giving up (and not acking it)
-DEFERRABLE_VERBS = frozenset({"status", "event"})  # writes whose completion may wait for the next entry
+DEFERRABLE_VERBS = frozenset({"status"})  # writes whose completion may wait (events never enter the outbox)
 MAX_DEFERRED = 8  # completions one key holds before they are logged with the next that comes
 CONFIRM_INLINE_TIMEOUT_S = 5.0
 

@@ -1,4 +1,4 @@
-"""Deferred completions (services/reconciler/entries.py): the completion of a status or event write
+"""Deferred completions (services/reconciler/entries.py): the completion of a status write
 that succeeded is folded at once and logged first in the key's next entry, or alone once it has
 waited ``done_linger_s``; until then the log still owes the write, so a crash, a snapshot or a lost
 race makes it again — never loses it, never forks the log."""
@@ -37,10 +37,10 @@ def _gateway() -> NullGateway:
 
 
 def _pending_write(part: Partition) -> WriteRequested:
-    """A status or event write the key owes."""
+    """A status write the key owes."""
     writes = [e for e in part.keys[str(KEY)].state.outbox.values()
-              if isinstance(e, WriteRequested) and e.write.verb in ("status", "event")]
-    assert writes, "the key owes no status or event write: the test proves nothing"
+              if isinstance(e, WriteRequested) and e.write.verb == "status"]
+    assert writes, "the key owes no status write: the test proves nothing"
     return writes[0]
 
 
