@@ -28,7 +28,6 @@ from services.reconciler.keytable import KeySlot
 from services.reconciler.snapshot import SnapshotStore
 from services.reconciler.verification import REFUSAL_REDELIVERY_S, PartitionVerifier
 from shared.bus.deadletter import dead_letter
-from shared.bus.pull import PullFeed, ensure_durable
 from shared.bus.read import last_on_subject, read_stream, read_subject
 from shared.bus.wire import H_MSG_ID
 from shared.fence.decide import DecideEnv
@@ -482,9 +481,8 @@ class Partition(KeyWriter, PartitionVerifier):
                 await sub.unsubscribe()
 
     async def _consume(self) -> None:
-        durable = f"reconciler-p{self.p}"
         cfg = api.ConsumerConfig(
-            durable_name=durable, name=durable,
+            durable_name=f"reconciler-p{self.p}",
             filter_subject=self.subjects.in_partition(self.p),
             ack_policy=api.AckPolicy.EXPLICIT,
             ack_wait=self.ack_wait_s,
@@ -492,21 +490,25 @@ class Partition(KeyWriter, PartitionVerifier):
             deliver_policy=api.DeliverPolicy.ALL,
             max_deliver=-1,
         )
-        await ensure_durable(self.js, self.subjects.stream_in, cfg)
-        feed = await PullFeed(self.js, self.subjects.stream_in, durable, window=self.fetch_batch).start()
+        psub = await self.js.pull_subscribe(
+            self.subjects.in_partition(self.p),
+            durable=f"reconciler-p{self.p}",
+            stream=self.subjects.stream_in,
+            config=cfg,
+        )
         sem = asyncio.Semaphore(MAX_INFLIGHT)
         failed: Exception | None = None
         try:
             async with asyncio.TaskGroup() as tg:
                 while self.held:
                     try:
-                        msgs = await feed.take(self.fetch_batch, wait_s=FETCH_TIMEOUT_S)
-                    except TimeoutError:
+                        msgs = await psub.fetch(self.fetch_batch, timeout=FETCH_TIMEOUT_S)
+                    except (nats.errors.TimeoutError, TimeoutError):
                         continue
                     except Exception as exc:
-                        # the consumer cannot be pulled from (deleted, a refused request): the inputs
-                        # being handled finish first. Cancelled mid-append they would leave an entry
-                        # stored whose answer never came: unfolded here, and its outbox owed by nobody
+                        # a fetch failed (a leader election, a reconnect): the inputs being handled
+                        # finish first. Cancelled mid-append they would leave an entry stored whose
+                        # answer never came: unfolded here, and its outbox owed by nobody
                         failed = exc
                         break
                     for m in msgs:
@@ -515,7 +517,8 @@ class Partition(KeyWriter, PartitionVerifier):
                     if msgs and msgs[-1].metadata.num_pending is not None:
                         metrics.CONSUMER_PENDING.labels(str(self.p)).set(msgs[-1].metadata.num_pending)
         finally:
-            await feed.close()
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
         if failed is not None:
             raise failed
 

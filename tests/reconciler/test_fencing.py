@@ -339,39 +339,33 @@ async def test_a_failed_fetch_lets_the_inputs_being_handled_finish(bus: Bus, mon
 
     import nats.js.errors
 
-    from services.reconciler import partition as partition_module
-
     part = _partition(bus, "writer", NullGateway())
     started, release = asyncio.Event(), asyncio.Event()
     finished: list[str] = []
 
     class _Electing:
-        def __init__(self, *args: object, **kw: object) -> None:
-            self.takes = 0
+        def __init__(self) -> None:
+            self.fetches = 0
 
-        async def start(self) -> _Electing:
-            return self
-
-        async def take(self, limit: int, wait_s: float) -> list[object]:
-            self.takes += 1
-            if self.takes == 1:
+        async def fetch(self, batch: int, timeout: float) -> list[object]:  # noqa: ASYNC109
+            self.fetches += 1
+            if self.fetches == 1:
                 return [SimpleNamespace(metadata=SimpleNamespace(num_pending=None))]
             await started.wait()
             raise nats.js.errors.ServiceUnavailableError
 
-        async def close(self) -> None:
+        async def unsubscribe(self) -> None:
             pass
 
-    async def ensure_durable(*args: object, **kw: object) -> None:
-        pass
+    async def pull_subscribe(*args: object, **kw: object) -> _Electing:
+        return _Electing()
 
     async def slow_handle(msg: object) -> None:
         started.set()
         await release.wait()
         finished.append("handled")
 
-    monkeypatch.setattr(partition_module, "PullFeed", _Electing)
-    monkeypatch.setattr(partition_module, "ensure_durable", ensure_durable)
+    monkeypatch.setattr(part.js, "pull_subscribe", pull_subscribe)
     monkeypatch.setattr(part, "handle", slow_handle)
     consume = asyncio.create_task(part._consume())
     await started.wait()
