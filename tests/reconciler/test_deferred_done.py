@@ -164,3 +164,21 @@ async def test_a_snapshot_holds_what_the_log_holds_not_the_deferred_completion(b
     saved = decode_state(data)
     assert write.write.id in saved.outbox, "the snapshot folded a completion its log does not hold"
     assert _same(saved, await _replayed(bus))
+
+
+async def test_a_writer_that_dies_with_a_deferred_completion_leaves_the_write_to_its_successor(bus: Bus) -> None:
+    """Rule 11 (the log is the outbox): the completion was never logged, so the next writer to load
+    the key finds the write owed and makes it again."""
+    gateway = _gateway()
+    part = _partition(bus, "writer-a", gateway)
+    await _admitted(bus, part)
+    write = _pending_write(part)
+    assert await part.feed(str(KEY), _ok(write))
+    part.held = False  # writer-a dies here: nothing deferred is logged
+    successor = _partition(bus, "writer-b", gateway)
+    submitted: list[str] = []
+    successor.effects.submit_all = lambda key, effects: submitted.extend(  # type: ignore[method-assign]
+        e.write.id for e in effects if isinstance(e, WriteRequested))
+    await successor.load()
+    assert write.write.id in successor.keys[str(KEY)].state.outbox
+    assert write.write.id in submitted, "the successor does not make the write its log still owes"
