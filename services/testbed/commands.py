@@ -76,6 +76,15 @@ def _bench_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_append(args: argparse.Namespace) -> int:
+    from services.testbed.bench.appendbatch import run_append_bench
+    from services.testbed.output import emit
+    from shared.tasks import run_main
+
+    emit(run_main(run_append_bench(args.keys, args.batch, args.rounds)), args.json)
+    return 0
+
+
 def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("bench", help="benchmarks (JSON results)")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
@@ -96,6 +105,12 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     r.add_argument("--entries", type=int, default=100_000, help="entries in the generated log")
     r.add_argument("--json", action="store_true", help="one JSON object on stdout")
     r.set_defaults(run=_bench_replay)
+    b = bsub.add_parser("append", help="fenced log appends one request each vs JetStream atomic batches")
+    b.add_argument("--keys", type=int, default=400, help="keys appended to once per round, concurrently")
+    b.add_argument("--batch", type=int, default=20, help="appends (of distinct keys) per atomic batch")
+    b.add_argument("--rounds", type=int, default=100, help="rounds: every key appends once per round")
+    b.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    b.set_defaults(run=_bench_append)
     a = bsub.add_parser("all", help="every figure beside a baseline from the same run (JSON)")
     a.add_argument("--size", choices=sorted(SIZES), default="smoke", help="smoke (CI), or larger runs")
     a.add_argument("--only", default=",".join(ALL_FIGURES), help=f"comma-separated subset of {','.join(ALL_FIGURES)}")

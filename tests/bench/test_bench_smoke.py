@@ -116,3 +116,22 @@ def test_bench_vm_qemu() -> None:
         assert is_number(r[f]) or (f == "guest_boot_p50_s" and r[f] is None), (f, r[f])
     assert r["accel"] in ("kvm", "tcg")
     assert r["rss_per_vm_mib"] > 0
+
+
+def test_bench_append_batch_semantics_and_figures() -> None:
+    """The atomic-batch facts docs/benchmarks.md rests its choice on (one request per append), read
+    off the real nats-server: per-message expectations hold in a batch, but one stale expectation or
+    one stored Msg-Id refuses the whole batch, and one subject cannot take two appends of a batch."""
+    r = vmfence_json("bench", "append", "--keys", "40", "--batch", "10", "--rounds", "3", timeout=60)
+    sem = r["semantics"]
+    assert sem["per_message_expectations_land"] is True
+    assert sem["one_stale_rejects_batch_err"] == 10071 and sem["one_stale_stored_nothing"] is True
+    assert sem["stored_msg_id_rejects_batch_err"] == 10201
+    assert sem["two_on_one_subject_err"] == 10164
+    for storage in ("file", "memory"):
+        for way in ("single", "batched"):
+            fig = r[storage][way]
+            for f in ("wall_us_per_append", "client_cpu_us_per_append", "server_cpu_us_per_append",
+                      "total_cpu_us_per_append"):
+                assert is_number(fig[f]) and fig[f] >= 0, (storage, way, f, fig[f])
+        assert is_number(r[storage]["batched_over_single_total_cpu"])
