@@ -22,6 +22,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from shared.bus.client import BusClient
 from shared.subjects import Subjects
 from shared.tasks import cancel_and_wait
 
@@ -157,7 +158,7 @@ async def connect(
             seen.add(repr(exc))
             log.info("nats connect attempt failed: %r (retrying)", exc)
 
-    nc = Client()
+    nc = BusClient()
     attempt = asyncio.ensure_future(nc.connect(
         servers=servers,
         name=name,

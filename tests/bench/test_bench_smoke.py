@@ -129,9 +129,10 @@ def test_bench_append_batch_semantics_and_figures() -> None:
     assert sem["stored_msg_id_rejects_batch_err"] == 10201
     assert sem["two_on_one_subject_err"] == 10164
     for storage in ("file", "memory"):
-        for way in ("single", "batched"):
+        for way in ("single", "single_nats_py_publish", "batched"):
             fig = r[storage][way]
             for f in ("wall_us_per_append", "client_cpu_us_per_append", "server_cpu_us_per_append",
                       "total_cpu_us_per_append"):
                 assert is_number(fig[f]) and fig[f] >= 0, (storage, way, f, fig[f])
         assert is_number(r[storage]["batched_over_single_total_cpu"])
+        assert is_number(r[storage]["single_over_nats_py_client_cpu"])

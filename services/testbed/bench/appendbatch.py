@@ -1,7 +1,8 @@
 """`vmfence bench append`: the log's fenced appends as the reconciler makes them (one request/reply
-each, concurrent across keys) beside the same appends in JetStream atomic batches (ADR-50, the
-``Nats-Batch-*`` headers that nats-py does not wrap), on a file-backed stream (as ``VMFENCE_LOG``)
-and on a memory-backed one: client and server CPU per append, measured in the same run.
+each, concurrent across keys, through ``shared.bus.client``) beside the same appends through nats-py's
+own ``JetStreamContext.publish``, and in JetStream atomic batches (ADR-50, the ``Nats-Batch-*``
+headers that nats-py does not wrap), on a file-backed stream (as ``VMFENCE_LOG``) and on a
+memory-backed one: client and server CPU per append, measured in the same run.
 
 It first checks the batch semantics a batched writer would rest on, against the same server: each
 message of a batch keeps its own ``Nats-Expected-Last-Subject-Sequence`` and ``Nats-Msg-Id``; one
@@ -23,6 +24,7 @@ from nats.js import api
 
 from services.testbed.bench.fleet import cpu_seconds
 from services.testbed.natsserver import start_nats
+from shared.bus.connect import connect
 from shared.bus.wire import H_EXPECTED_LAST_SUBJECT_SEQ, H_MSG_ID
 
 H_BATCH_ID = "Nats-Batch-Id"
@@ -127,7 +129,8 @@ async def _measure(server_pid: int, n: int, run: Any) -> dict[str, float]:
 async def run_append_bench(keys: int, batch: int, rounds: int) -> dict[str, Any]:
     server = await start_nats()
     try:
-        nc = await nats.connect(server.url, name="vmfence-bench-append")
+        nc = await connect(server.url, name="vmfence-bench-append")  # as the services connect
+        plain = await nats.connect(server.url, name="vmfence-bench-append-nats-py")
         js = nc.jetstream()
         out: dict[str, Any] = {"bench": "append", "keys": keys, "batch": batch, "rounds": rounds,
                                "payload_bytes": len(PAYLOAD)}
@@ -138,15 +141,19 @@ async def run_append_bench(keys: int, batch: int, rounds: int) -> dict[str, Any]
             if storage is api.StorageType.FILE:
                 out["semantics"] = await batch_semantics(nc, js, name, prefix)
             ks, n = _Keys(prefix, keys), keys * rounds
+            nats_py = await _measure(server.pid, n, _singles(plain.jetstream(), ks, rounds, "p"))
             single = await _measure(server.pid, n, _singles(js, ks, rounds, "s"))
             batched = await _measure(server.pid, n, _batched(nc, ks, rounds, batch, "b"))
             out[storage.value] = {
-                "single": single, "batched": batched,
+                "single": single, "single_nats_py_publish": nats_py, "batched": batched,
+                "single_over_nats_py_client_cpu": round(
+                    single["client_cpu_us_per_append"] / max(0.1, nats_py["client_cpu_us_per_append"]), 3),
                 "batched_over_single_total_cpu": round(
                     batched["total_cpu_us_per_append"] / max(0.1, single["total_cpu_us_per_append"]), 3),
             }
             await js.delete_stream(name)
         await nc.close()
+        await plain.close()
     finally:
         await server.stop()
     out["machine_loadavg"] = os.getloadavg()[0]

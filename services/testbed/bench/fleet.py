@@ -20,7 +20,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,34 +55,60 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def write_calls(pid: int) -> int:
+    """Write system calls one process has made (``syscw`` of /proc/<pid>/io: write and writev, which
+    is how libuv and asyncio send on a socket); 0 once it is gone. Each one on a loopback socket is
+    a send the peer must also read: the figure that coalescing messages lowers."""
+    try:
+        with open(f"/proc/{pid}/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"syscw:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 @dataclass
 class CpuMeter:
-    """CPU seconds per component between ``start()`` and ``stop()``."""
+    """CPU seconds (and write system calls) per component between ``start()`` and ``stop()``."""
 
     pids: Callable[[], dict[str, int]]
     _t0: dict[str, float] = field(default_factory=dict)
+    _w0: dict[str, int] = field(default_factory=dict)
     spent: dict[str, float] = field(default_factory=dict)
+    writes: dict[str, int] = field(default_factory=dict)
 
     def start(self) -> None:
-        self._t0 = {name: cpu_seconds(pid) for name, pid in self.pids().items()}
+        pids = self.pids()
+        self._t0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        self._w0 = {name: write_calls(pid) for name, pid in pids.items()}
 
     def stop(self) -> dict[str, float]:
-        self.spent = {name: cpu_seconds(pid) - self._t0.get(name, 0.0) for name, pid in self.pids().items()}
+        pids = self.pids()
+        self.spent = {name: cpu_seconds(pid) - self._t0.get(name, 0.0) for name, pid in pids.items()}
+        self.writes = {name: write_calls(pid) - self._w0.get(name, 0) for name, pid in pids.items()}
         return self.spent
 
     @staticmethod
     def per_unit_ms(spent: dict[str, float], units: int) -> dict[str, float]:
         """Milliseconds of CPU per unit, by component (components of one kind summed) and total."""
+        return {k: round(1000 * v, 3) for k, v in CpuMeter.per_unit(spent, units).items()}
+
+    @staticmethod
+    def per_unit(spent: Mapping[str, float], units: int) -> dict[str, float]:
+        """A per-process tally per unit, by component (components of one kind summed) and total;
+        the harness's share beside the total, not in it."""
         by_kind: dict[str, float] = {}
         for name, s in spent.items():
             kind = "agent" if name.startswith("agent-") else "reconciler" if name.startswith("reconciler-") else name
             if kind == "harness":
                 continue
             by_kind[kind] = by_kind.get(kind, 0.0) + s
-        out = {k: round(1000 * v / max(1, units), 3) for k, v in sorted(by_kind.items())}
-        out["total"] = round(1000 * sum(by_kind.values()) / max(1, units), 3)
+        out = {k: round(v / max(1, units), 6) for k, v in sorted(by_kind.items())}
+        out["total"] = round(sum(by_kind.values()) / max(1, units), 6)
         if "harness" in spent:
-            out["harness_not_in_total"] = round(1000 * spent["harness"] / max(1, units), 3)
+            out["harness_not_in_total"] = round(spent["harness"] / max(1, units), 6)
         return out
 
 
@@ -326,12 +352,14 @@ class FleetBench:
         t_run = await self.tracker.wait(lambda: all(nm in self.tracker.running_at for nm in names),  # type: ignore[union-attr]
                                         120 + n / 10, f"{n} pods Running")
         up = meter.stop()
+        up_writes = meter.writes
         msgs1 = await self.nats_msgs()
         entries, decisions = await count_decisions(js, subjects, start_seq)
         msgs2 = await self.nats_msgs()
         meter.start()
         issued, to_zero = await self.delete_all_and_wait(names, 120 + n / 10)
         down = meter.stop()
+        writes = {k: up_writes.get(k, 0) + meter.writes.get(k, 0) for k in up_writes.keys() | meter.writes.keys()}
         msgs3 = await self.nats_msgs()
         req1 = await self.api_requests()
         await self._stop_profile(spies)
@@ -353,6 +381,7 @@ class FleetBench:
             "cpu_ms_per_pod": CpuMeter.per_unit_ms(both, n),
             "cpu_ms_per_pod_up": CpuMeter.per_unit_ms(up, n),
             "nats_msgs_per_pod": round((msgs1 - msgs0 + msgs3 - msgs2) / n, 2),
+            "write_syscalls_per_pod": {k: round(v, 2) for k, v in CpuMeter.per_unit(writes, n).items()},
             **extra,
         }
 
