@@ -14,13 +14,33 @@ from prometheus_client.registry import Collector
 
 from shared.fence.drift import DriftKind
 
-DECISIONS = Counter("vmfence_decisions_total", "Decisions appended to the log", ["type"])
-INPUTS = Counter("vmfence_inputs_total", "Inputs consumed by reconcilers", ["kind", "result"])
-POD_LIFECYCLE = Counter(
+
+class Labelled:
+    """A labelled metric whose children are looked up once per label values: prometheus_client's
+    ``labels()`` validates and takes a lock on every call (about 2 µs), and the write path calls it
+    for every input and every decision. Anything else is the metric's own."""
+
+    def __init__(self, metric: Counter) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], Counter] = {}
+
+    def labels(self, *values: str) -> Counter:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+    def __getattr__(self, name: str) -> typing.Any:
+        return getattr(self.metric, name)
+
+
+DECISIONS = Labelled(Counter("vmfence_decisions_total", "Decisions appended to the log", ["type"]))
+INPUTS = Labelled(Counter("vmfence_inputs_total", "Inputs consumed by reconcilers", ["kind", "result"]))
+POD_LIFECYCLE = Labelled(Counter(
     "vmfence_pod_lifecycle_total",
     "Lifecycle steps per key, including every input skipped as superseded",
     ["op", "result", "reason"],
-)
+))
 APPEND_SECONDS = Histogram(
     "vmfence_append_seconds",
     "Fenced append latency",

@@ -56,10 +56,10 @@ class BusClient(Client):
 
     _tokens = itertools.count(1)  # reply tokens: digits, never a nats-py token (22 + 4 characters)
 
-    @property
-    def lean(self) -> bool:
-        """nats-py has what ``request_reply`` uses (else every request is nats-py's own)."""
-        return all(hasattr(self, name) for name in _NATS_PY_INTERNALS)
+    def __init__(self) -> None:
+        super().__init__()
+        # nats-py has what ``request_reply`` uses (else every request is nats-py's own)
+        self.lean = all(hasattr(self, name) for name in _NATS_PY_INTERNALS)
 
     def jetstream(self, **opts: Any) -> JetStreamContext:
         return BusJetStream(self, **opts)

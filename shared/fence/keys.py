@@ -7,6 +7,7 @@ single token reversibly (``%XX`` for anything outside ``[A-Za-z0-9_-]``).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -16,13 +17,17 @@ DEFAULT_PARTITIONS = 16
 KeyKind = Literal["pod", "vm"]
 
 _SAFE = re.compile(r"[A-Za-z0-9_-]")
+_ALL_SAFE = re.compile(r"[A-Za-z0-9_-]+")
 _ESCAPE = re.compile(r"%([0-9A-F]{2})")
+PARTITION_CACHE = 4096  # keys whose partition is remembered (a subject is built per message)
 
 
 def encode_token(text: str) -> str:
     """Encode text into one subject token: safe characters stay, others become %XX (UTF-8 bytes)."""
     if not text:
         raise ValueError("empty subject token")
+    if _ALL_SAFE.fullmatch(text):
+        return text  # most names: nothing to escape
     out: list[str] = []
     for ch in text:
         if _SAFE.fullmatch(ch):
@@ -33,6 +38,8 @@ def encode_token(text: str) -> str:
 
 
 def decode_token(token: str) -> str:
+    if "%" not in token:
+        return token  # nothing escaped: each character stands for itself
     raw = bytearray()
     i = 0
     while i < len(token):
@@ -88,7 +95,12 @@ def partition_of(key: str | Key, partitions: int = DEFAULT_PARTITIONS) -> int:
     """Stable partition of a key: FNV-1a 32 of the key's text, mod P."""
     if partitions < 1:
         raise ValueError("partitions must be >= 1")
-    return fnv1a32(str(key).encode()) % partitions
+    return _partition(str(key), partitions)
+
+
+@functools.lru_cache(maxsize=PARTITION_CACHE)
+def _partition(text: str, partitions: int) -> int:
+    return fnv1a32(text.encode()) % partitions
 
 
 def key_from_tokens(tokens: list[str]) -> Key:
