@@ -6,10 +6,11 @@ known context fields to the top level so logs can be filtered by key, uid or epo
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
+
+import msgspec
 
 CONTEXT_FIELDS = (
     "key", "uid", "epoch", "vm_id", "host", "command_id", "op", "outcome", "event", "partition", "component", "seq"
@@ -30,7 +31,7 @@ class JsonFormatter(logging.Formatter):
                 out[name] = value
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+        return msgspec.json.encode(out, enc_hook=str).decode()
 
 
 class TextFormatter(logging.Formatter):
@@ -50,6 +51,10 @@ def setup_logging(fmt: str = "json", level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # neither formatter prints the caller's file and line, thread or process: records need not
+    # find them (a stack walk per line; the logging HOWTO's "Optimization")
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     logging.getLogger("nats").setLevel(logging.WARNING)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     # aiosqlite logs every statement with its parameters at DEBUG: the agent's ledger holds VNC
