@@ -305,6 +305,10 @@ class Reconciler:
             part.held = False
         if task is not None:
             await cancel_and_wait([task], what="partition")
+        if part is not None:
+            # what it fetched and did not answer goes to the next owner now, not after ack_wait
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(part.hand_back(), RELEASE_FLUSH_S)
         if self.effects is not None:
             self.effects.cancel_partition(p)
         if part is not None and release:

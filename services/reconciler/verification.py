@@ -81,6 +81,9 @@ class PartitionVerifier:
     async def _decide_input(self, key: str, inp: Input, msg: Msg) -> None:
         raise NotImplementedError
 
+    def forget_answered(self) -> None:
+        raise NotImplementedError
+
     def partition_verified(self) -> bool:
         """Every live host has answered this writer's PartitionVerify (and there is one)."""
         live = {h.name for h in self.env().hosts}
@@ -228,6 +231,7 @@ class PartitionVerifier:
         async with asyncio.TaskGroup() as tg:
             for key in list(self._held_inputs):
                 tg.create_task(self._decide_held(key))
+        self.forget_answered()
 
     async def _decide_held(self, key: str) -> None:
         queue = self._held_inputs[key]
