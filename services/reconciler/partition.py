@@ -120,9 +120,9 @@ class Partition(KeyWriter, PartitionVerifier):
         # inputs of keys first seen before the partition was verified, in arrival order, held until
         # it is (or until ``_hold_until``, loop time; 0: nothing is held) -- see NEW_KEY_HOLD_S
         self._held_inputs: dict[str, list[tuple[Input, Msg]]] = {}
-        # inputs fetched and not yet answered (acked, nak'd or dead-lettered), by reply subject:
-        # what ``hand_back`` returns to the stream when the partition goes
-        self._unanswered: dict[str, Msg] = {}
+        # inputs fetched and not yet answered (acked, nak'd or dead-lettered), by identity: what
+        # ``hand_back`` returns to the stream when the partition goes
+        self._unanswered: dict[int, Msg] = {}
         self._hold_until = 0.0
         self._verified_now = asyncio.Event()
         # keys slotted unverified only because the partition was not verified yet (named by no host)
@@ -515,7 +515,7 @@ class Partition(KeyWriter, PartitionVerifier):
                         failed = exc
                         break
                     for m in msgs:
-                        self._unanswered[m.reply] = m
+                        self._unanswered[id(m)] = m
                         await sem.acquire()
                         tg.create_task(self._handle_released(m, sem))
                     if msgs and msgs[-1].metadata.num_pending is not None:
@@ -534,10 +534,11 @@ class Partition(KeyWriter, PartitionVerifier):
         except Exception as exc:
             # not acked: JetStream redelivers it after ack_wait, to us or to the next owner
             log.warning("input not handled, left for redelivery: %r", exc, extra={"partition": self.p})
+            self._unanswered.pop(id(msg), None)
         finally:
             sem.release()
-            if msg.is_acked:  # else held for the partition's verification, or left for redelivery
-                self._unanswered.pop(msg.reply, None)
+            if msg.is_acked:  # else held for the partition's verification, or the partition went
+                self._unanswered.pop(id(msg), None)
 
     async def hand_back(self) -> int:
         """Once this writer has stopped deciding (``held`` cleared, its tasks ended): every input it
@@ -556,7 +557,7 @@ class Partition(KeyWriter, PartitionVerifier):
 
     def forget_answered(self) -> None:
         """Drop what was answered since it was fetched (held inputs are answered later)."""
-        self._unanswered = {r: m for r, m in self._unanswered.items() if not m.is_acked}
+        self._unanswered = {i: m for i, m in self._unanswered.items() if not m.is_acked}
 
     async def handle(self, msg: Msg) -> None:
         if len(msg.data) > MAX_INPUT_BYTES:

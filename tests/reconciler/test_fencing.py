@@ -350,7 +350,7 @@ async def test_a_failed_fetch_lets_the_inputs_being_handled_finish(bus: Bus, mon
         async def fetch(self, batch: int, timeout: float) -> list[object]:  # noqa: ASYNC109
             self.fetches += 1
             if self.fetches == 1:
-                return [SimpleNamespace(metadata=SimpleNamespace(num_pending=None))]
+                return [SimpleNamespace(metadata=SimpleNamespace(num_pending=None), is_acked=False)]
             await started.wait()
             raise nats.js.errors.ServiceUnavailableError
 
