@@ -57,7 +57,11 @@ FLEET_LEASE = "fleet"
 FLEET_SYNC_S = 2.0
 INVENTORY_QUERY_TIMEOUT_S = 5.0  # one host's inventory answer (as `vmfence verify` waits)
 DRIFT_REPORTED = 5  # drift items named in the warning line of one check
-RELEASE_FLUSH_S = 5.0  # logging the deferred completions of a partition handed over
+RELEASE_FLUSH_S = 5.0
+# after the number of members changes, a reconciler below its share runs its lease rounds this often
+# (instead of every third of the lease TTL) for this long: enough for the others' hand-overs
+SETTLING_ROUND_S = 0.25
+SETTLING_S = 15.0  # logging the deferred completions of a partition handed over
 _answer = msgspec.json.Decoder(InventoryAnswer)
 
 
@@ -77,6 +81,9 @@ class Reconciler:
         self.partitions: dict[int, Partition] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._leases: dict[int, PartitionLease] = {}
+        self._members = 0  # live reconcilers at the last lease round
+        self._settle_until = 0.0  # loop time: the membership changed lately (see SETTLING_S)
+        self._short_until = 0.0  # loop time: lease rounds are SETTLING_ROUND_S apart until then
         self.hosts = HostsView(stale_after_s=cfg.host_stale_s)
         self._stop = asyncio.Event()
         self.ready = asyncio.Event()
@@ -212,7 +219,11 @@ class Reconciler:
                 raise
             except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
                 log.warning("lease round failed: %r", exc)
-            await asyncio.sleep(interval)
+            # below our share while the membership settles, the partitions a member hands back are
+            # taken within SETTLING_ROUND_S, not at our next round: their inputs wait meanwhile
+            # (a third of the lease TTL was most of an 8 s stall of a burst in the fleet bench)
+            settling = self._short_until > asyncio.get_running_loop().time()
+            await asyncio.sleep(min(interval, SETTLING_ROUND_S) if settling else interval)
 
     async def _lease_round(self, kv: KeyValue, member: PartitionLease, tg: asyncio.TaskGroup) -> None:
         # membership: how many reconcilers share the partitions
@@ -227,6 +238,11 @@ class Reconciler:
         share = math.ceil(self.cfg.partitions / members)
         if self.cfg.max_partitions:
             share = min(share, self.cfg.max_partitions)
+        now = asyncio.get_running_loop().time()
+        if members != self._members:
+            self._members, self._settle_until = members, now + SETTLING_S
+        # short rounds only while the membership settles and we hold less than our share
+        self._short_until = self._settle_until if len(self._leases) < share else 0.0
         # renew what we hold
         for p, lease in list(self._leases.items()):
             try:
@@ -236,9 +252,9 @@ class Reconciler:
                 metrics.LEASE_LOST.labels(self.writer).inc()
                 await self._drop(p, release=False)
         # hand back surplus (highest numbers first), take free ones up to the share
-        surplus = len(self._leases) - share
-        for p in sorted(self._leases, reverse=True)[: max(0, surplus)]:
-            await self._drop(p, release=True)
+        surplus = sorted(self._leases, reverse=True)[: max(0, len(self._leases) - share)]
+        # side by side: each hand-over flushes its partition's deferred completions first
+        await asyncio.gather(*(self._drop(p, release=True) for p in surplus))
         if len(self._leases) < share:
             for p in range(self.cfg.partitions):
                 if len(self._leases) >= share:
