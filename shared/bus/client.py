@@ -74,7 +74,7 @@ class BusClient(Client):
         return msg
 
     async def request_reply(self, subject: str, payload: bytes, headers: dict[str, Any] | None,
-                            timeout: float) -> Msg:  # noqa: ASYNC109 - per request, as nats-py's
+                            timeout: float | None) -> Msg:  # noqa: ASYNC109 - per request, as nats-py's
         """nats-py's new-style request without its per-request random token and ``wait_for``: the
         reply comes through the same mux subscription, keyed by a counter, under one timer."""
         if self.is_draining_pubs:
@@ -86,12 +86,14 @@ class BusClient(Client):
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Msg] = loop.create_future()
         self._resp_map[token] = future
-        timer = loop.call_later(timeout, _expire, future)
+        # None waits for ever, as nats-py's wait_for(future, None) does
+        timer = None if timeout is None else loop.call_later(timeout, _expire, future)
         try:
             await self.publish(subject, payload, reply=self._resp_sub_prefix.decode() + token, headers=headers)
             return await future
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
             self._resp_map.pop(token, None)
 
 

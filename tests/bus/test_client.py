@@ -89,3 +89,15 @@ async def test_plain_requests_keep_their_contract(clients) -> None:  # type: ign
     await kv.put("k", b"v")
     assert (await kv.get("k")).value == b"v"
     assert ours._resp_map == {}
+
+
+async def test_a_request_without_a_timeout_waits_for_its_answer(clients) -> None:  # type: ignore[no-untyped-def]
+    ours, _ = clients
+
+    async def late(msg: nats.aio.msg.Msg) -> None:
+        await asyncio.sleep(0.3)  # a slow responder (its delay, not a synchronisation)
+        await msg.respond(b"late")
+
+    await ours.subscribe("late", cb=late)
+    assert (await ours.request_reply("late", b"", None, None)).data == b"late"
+    assert ours._resp_map == {}
