@@ -1,0 +1,44 @@
+"""Two reconcilers share the partitions: one that joins below its share runs short lease rounds
+while the membership settles (so what the other hands back is taken at once, not at its next
+round), and neither polls so once each holds its share. On a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from services.reconciler.config import ReconcilerConfig
+from services.reconciler.kube import NullGateway
+from services.reconciler.service import SETTLING_ROUND_S, Reconciler
+from services.testbed.natsserver import NatsServer
+from tests.reconciler.helpers import wait_until
+
+P = 4
+LEASE_TTL_S = 3.0  # rounds a second apart: the hand-over happens within the test
+
+
+def _reconciler(server: NatsServer, tmp_path: Path, name: str) -> Reconciler:
+    cfg = ReconcilerConfig(nats_url=[server.url], partitions=P, id=name, data_dir=str(tmp_path / name),
+                           kube="none", http_port=0, lease_ttl_s=LEASE_TTL_S)
+    return Reconciler(cfg, gateway=NullGateway(), health=False)
+
+
+async def test_a_joining_reconciler_settles_in_short_rounds_then_stops(nats_server: NatsServer, tmp_path: Path) -> None:
+    first, second = _reconciler(nats_server, tmp_path, "rec-a"), _reconciler(nats_server, tmp_path, "rec-b")
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(first.run())
+        await asyncio.wait_for(first.ready.wait(), 30)
+        await wait_until(lambda: len(first.partitions) == P, "the first reconciler holding every partition")
+        tg.create_task(second.run())
+        await asyncio.wait_for(second.ready.wait(), 30)
+        # its first round saw two members and nothing free (unless the first handed back in
+        # between, a few milliseconds of a second): below its share, in short rounds
+        now = asyncio.get_running_loop().time()
+        if len(second.partitions) < P // 2:
+            assert second._short_until > now, "below its share, it waits a whole round for what is handed back"
+        assert SETTLING_ROUND_S < LEASE_TTL_S / 3
+        await wait_until(lambda: len(first.partitions) == len(second.partitions) == P // 2, "an even share", 15)
+        await wait_until(lambda: first._short_until == second._short_until == 0.0,
+                         "both back to rounds a third of the TTL apart", 5)
+        first.stop()
+        second.stop()
