@@ -364,7 +364,8 @@ class KeyWriter:
         req = decisions[0]
         assert isinstance(req, ConfirmRequested) and self.confirm is not None
         try:
-            read = await asyncio.wait_for(self.confirm(key_of(state.key), req.request), CONFIRM_INLINE_TIMEOUT_S)
+            async with asyncio.timeout(CONFIRM_INLINE_TIMEOUT_S):  # no task per read, as wait_for makes
+                read = await self.confirm(key_of(state.key), req.request)
         except Exception as exc:
             log.info("inline confirm failed (%r); leaving it to the outbox", exc, extra={"key": state.key})
             return decisions
