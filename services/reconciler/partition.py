@@ -543,10 +543,9 @@ class Partition(KeyWriter, PartitionVerifier):
     async def hand_back(self) -> int:
         """Once this writer has stopped deciding (``held`` cleared, its tasks ended): every input it
         fetched and did not answer goes back to the stream at once (nak) for the partition's next
-        owner, instead of waiting out ``ack_wait``. A hand-over in a burst otherwise stalled the
-        inputs it caught in flight, and the keys queued behind them, for that long (8 s of 13 for
-        1 000 pods in the fleet bench). One decided but not acked yet is decided again by the next
-        owner, and drops: a redelivery changes nothing. Returns how many went back."""
+        owner, instead of waiting out ``ack_wait`` (10 s by default) with the keys queued behind
+        them. One decided but not acked yet is decided again by the next owner, and drops: a
+        redelivery changes nothing. Returns how many went back."""
         assert not self.held, "handing back inputs while still deciding them"
         back, self._unanswered = [m for m in self._unanswered.values() if not m.is_acked], {}
         for msg in back:

@@ -57,11 +57,11 @@ FLEET_LEASE = "fleet"
 FLEET_SYNC_S = 2.0
 INVENTORY_QUERY_TIMEOUT_S = 5.0  # one host's inventory answer (as `vmfence verify` waits)
 DRIFT_REPORTED = 5  # drift items named in the warning line of one check
-RELEASE_FLUSH_S = 5.0
+RELEASE_FLUSH_S = 5.0  # logging the deferred completions of a partition handed over
 # after the number of members changes, a reconciler below its share runs its lease rounds this often
 # (instead of every third of the lease TTL) for this long: enough for the others' hand-overs
 SETTLING_ROUND_S = 0.25
-SETTLING_S = 15.0  # logging the deferred completions of a partition handed over
+SETTLING_S = 15.0
 _answer = msgspec.json.Decoder(InventoryAnswer)
 
 
