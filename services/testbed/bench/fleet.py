@@ -227,9 +227,10 @@ class FleetBench:
 
     async def until_balanced(self, timeout: float) -> float | None:  # noqa: ASYNC109 - bounded poll
         """Seconds until every reconciler holds its fair share of the partitions (None: not within
-        ``timeout``). Both start together, and whether the second takes its half before or during
-        the first burst decided whether 1 000 pods took 5 s or 13 s: the figures measure the steady
-        state, and a hand-over in a burst is a cost of its own."""
+        ``timeout``). Both start together, and whether the second took its half before or during
+        the first burst decided whether 1 000 pods took 5 s or 13 s (before a joining reconciler
+        ran short lease rounds): the figures measure the steady state, and a hand-over in a burst
+        is a cost of its own."""
         t0 = time.monotonic()
         share = PARTITIONS // 2
         while time.monotonic() - t0 < timeout:
