@@ -254,7 +254,9 @@ class Reconciler:
         # hand back surplus (highest numbers first), take free ones up to the share
         surplus = sorted(self._leases, reverse=True)[: max(0, len(self._leases) - share)]
         # side by side: each hand-over flushes its partition's deferred completions first
-        await asyncio.gather(*(self._drop(p, release=True) for p in surplus))
+        async with asyncio.TaskGroup() as drops:
+            for p in surplus:
+                drops.create_task(self._drop(p, release=True))
         if len(self._leases) < share:
             for p in range(self.cfg.partitions):
                 if len(self._leases) >= share:
