@@ -547,7 +547,8 @@ class Partition(KeyWriter, PartitionVerifier):
         them. One decided but not acked yet is decided again by the next owner, and drops: a
         redelivery changes nothing. Returns how many went back."""
         assert not self.held, "handing back inputs while still deciding them"
-        back, self._unanswered = [m for m in self._unanswered.values() if not m.is_acked], {}
+        self.forget_answered()
+        back, self._unanswered = list(self._unanswered.values()), {}
         for msg in back:
             with contextlib.suppress(nats.errors.Error, OSError):
                 await msg.nak()

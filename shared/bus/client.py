@@ -1,14 +1,15 @@
-"""The NATS client every service connects with: nats-py's, with a leaner JetStream publish.
+"""The NATS client every service connects with: nats-py's, with leaner requests.
 
-nats-py 2.16's ``JetStreamContext.publish`` spends about 50 µs of client CPU per message here:
-a random token per request (``secrets.token_hex``, a getrandom system call), an
-``asyncio.wait_for`` around the reply (a wrapper future and a timer), ``json.loads`` and a
-dataclass for the ack. Every fenced append, command, observation and report is such a publish.
-``BusJetStream.publish`` keeps its contract -- the same arguments, the same ``PubAck``, the same
-exceptions (``APIError`` with the server's err_code, ``NoStreamResponseError``,
-``nats.errors.TimeoutError``) -- at about half the cost: a counter token on nats-py's own reply
-subscription, one timer handle, msgspec for the ack (``vmfence bench append`` measures both in
-one run). Where the nats-py internals it rests on are missing it is nats-py's publish.
+nats-py 2.16's ``request`` makes a random token per call (``secrets.token_hex``, a getrandom
+system call) and waits for the reply under ``asyncio.wait_for`` (a wrapper future and a timer);
+its ``JetStreamContext.publish`` adds ``json.loads`` and a dataclass for the ack: about 50 µs of
+client CPU per message here. Every fenced append, command, observation, report and ``ack_sync`` is
+such a request. ``BusClient.request`` and ``BusJetStream.publish`` keep their contracts -- the same
+arguments, ``Msg`` and ``PubAck``, the same exceptions (``APIError`` with the server's err_code,
+``NoStreamResponseError``, ``nats.errors.TimeoutError``) -- at about half the cost: a counter token
+on nats-py's own reply subscription, one timer handle, msgspec for the ack (``vmfence bench
+append`` measures both in one run). Where the nats-py internals they rest on are missing, a
+request is nats-py's own.
 """
 
 from __future__ import annotations
@@ -20,12 +21,10 @@ from typing import Any
 import msgspec
 import nats.errors
 import nats.js.errors
-from nats.aio.client import Client
+from nats.aio.client import NO_RESPONDERS_STATUS, Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
-H_STATUS = "Status"
-NO_RESPONDERS = "503"
 # what the lean request uses of nats-py's request machinery (2.16): the reply mux subscription,
 # its futures by token, and how its callback cuts the token out of the reply subject
 _NATS_PY_INTERNALS = ("_resp_map", "_resp_sub_prefix", "_init_request_sub", "_request_sub_callback")
@@ -69,7 +68,7 @@ class BusClient(Client):
         if old_style or not self.lean:
             return await super().request(subject, payload, timeout=timeout, old_style=old_style, headers=headers)
         msg = await self.request_reply(subject, payload, headers, timeout)
-        if msg.headers and msg.headers.get(H_STATUS) == NO_RESPONDERS:
+        if msg.headers and msg.headers.get(api.Header.STATUS) == NO_RESPONDERS_STATUS:
             raise nats.errors.NoRespondersError
         return msg
 

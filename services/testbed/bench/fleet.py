@@ -216,13 +216,8 @@ class FleetBench:
         for name, proc in self.procs.items():
             if not name.startswith("reconciler-"):
                 continue
-            try:
-                text = await _http_get(proc.port, "/metrics")
-            except (OSError, TimeoutError):
-                continue
-            for line in text.splitlines():
-                if line.startswith("vmfence_partitions_owned{"):
-                    out[name] = int(float(line.rsplit(" ", 1)[1]))
+            with contextlib.suppress(OSError, TimeoutError):
+                out[name] = int(await _gauge(proc.port, "vmfence_partitions_owned"))
         return out
 
     async def until_balanced(self, timeout: float) -> float | None:  # noqa: ASYNC109 - bounded poll
@@ -295,13 +290,7 @@ class FleetBench:
 
     async def vms(self) -> int:
         """VMs the agents' ledgers hold (their /metrics ``vmfence_vms`` gauges, summed)."""
-        total = 0.0
-        for name in (f"agent-{h}" for h in HOSTS):
-            body = await _http_get(self.procs[name].port, "/metrics")
-            for line in body.splitlines():
-                if line.startswith("vmfence_vms{"):
-                    total += float(line.rsplit(" ", 1)[1])
-        return int(total)
+        return int(sum([await _gauge(self.procs[f"agent-{h}"].port, "vmfence_vms") for h in HOSTS]))
 
     async def delete_all_and_wait(self, names: list[str], timeout: float) -> tuple[float, float]:  # noqa: ASYNC109
         """Graceful deletes (the reconciler removes the VM, then the pod); (issue s, to zero pods and VMs s)."""
@@ -466,6 +455,12 @@ class FleetBench:
             "bound_seen": len(to_bound),
             "cpu_ms_per_pod": CpuMeter.per_unit_ms(spent, n),
         }
+
+
+async def _gauge(port: int, name: str) -> float:
+    """A labelled gauge on a service's /metrics, its samples summed."""
+    body = await _http_get(port, "/metrics")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name + "{"))
 
 
 async def _http_get(port: int, path: str) -> str:
