@@ -81,10 +81,12 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
 async def _pods_by_phase(kubeconfig: str) -> dict[str, int] | None:
     from kubernetes_asyncio import client, config
 
+    from shared.kubeclient import api_client
+
     cfg = client.Configuration()
     try:
         await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-        async with client.ApiClient(cfg) as api:
+        async with api_client(cfg) as api:
             pods = await client.CoreV1Api(api).list_pod_for_all_namespaces(_request_timeout=5)
     except Exception:
         return None

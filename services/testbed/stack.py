@@ -48,6 +48,7 @@ from services.testbed.natsserver import (
 from services.watcher.watch import Watcher
 from shared.bus.connect import Bus
 from shared.bus.provision import StreamsConfig, provision
+from shared.kubeclient import api_client
 from shared.subjects import Subjects
 from shared.tasks import end_within, run_within
 
@@ -318,7 +319,7 @@ class LocalStack:
             on_status("apiserver", self.apiserver.url)
         else:
             self.kubeconfig_path = self.kubeconfig
-        self.api = client.ApiClient(cluster or await load_kubeconfig(self.kubeconfig_path))
+        self.api = api_client(cluster or await load_kubeconfig(self.kubeconfig_path))
         for i in range(self.reconcilers):
             name = f"reconciler-{i + 1}"
             self.recs[name] = ReconcilerProc(name, free_port(), self.root / "logs" / f"{name}.log")
@@ -329,7 +330,7 @@ class LocalStack:
             on_status(f"agent {host}", f"ready ({self.runtime})")
         self.watcher_bus = await self.open_bus("watcher", "vmfence-watcher", url=self.urls["watcher"])
         own = self.kubeconfig_of("watcher")
-        self.watcher_api = self.api if own == self.kubeconfig_path else client.ApiClient(await load_kubeconfig(own))
+        self.watcher_api = self.api if own == self.kubeconfig_path else api_client(await load_kubeconfig(own))
         self.watcher = Watcher(self.watcher_api, self.watcher_bus.js, self.subjects)
         self._tasks.append(asyncio.create_task(self.watcher.run(), name="watcher"))
         try:

@@ -150,6 +150,7 @@ class FleetBench:
         from services.testbed.stack import HARNESS_USER, private_dir
         from shared.bus.connect import Bus
         from shared.bus.provision import StreamsConfig, provision
+        from shared.kubeclient import api_client
         from shared.subjects import Subjects
 
         private_dir(self.dir)
@@ -202,7 +203,7 @@ class FleetBench:
                 raise RuntimeError(f"{p.name} not ready within {READY_S:.0f}s:\n{p.tail()}")
         cfg = client.Configuration()
         await config.load_kube_config(config_file=self.kubeconfig, client_configuration=cfg)
-        self.api = client.ApiClient(cfg)
+        self.api = api_client(cfg)
         self.core = client.CoreV1Api(self.api)
         self.tracker = PodTracker(self.core)
         self._tracker_task = asyncio.create_task(self.tracker.run(), name="pod-tracker")
@@ -480,6 +481,7 @@ async def bare_api_baseline(n: int, concurrency: int, tmp: str) -> dict[str, Any
     from kubernetes_asyncio import client, config
 
     from services.testbed.natsserver import free_port
+    from shared.kubeclient import api_client
 
     d = Path(tmp) / "bare-api"
     d.mkdir(parents=True, exist_ok=True)
@@ -493,7 +495,7 @@ async def bare_api_baseline(n: int, concurrency: int, tmp: str) -> dict[str, Any
             raise RuntimeError(f"bare apiserver not ready:\n{proc.tail()}")
         cfg = client.Configuration()
         await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-        async with client.ApiClient(cfg) as api:
+        async with api_client(cfg) as api:
             core = client.CoreV1Api(api)
 
             async def create(i: int) -> None:

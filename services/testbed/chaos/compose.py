@@ -374,6 +374,7 @@ class ComposeChaos(ProcessChaos):
         from kubernetes_asyncio import client, config
 
         from shared.bus.connect import Bus, NatsAuth
+        from shared.kubeclient import api_client
         from shared.subjects import Subjects
 
         self._write_files()
@@ -411,7 +412,7 @@ class ComposeChaos(ProcessChaos):
                                   auth=NatsAuth(user="admin", password=self.passwords["admin"]))
         cfg = client.Configuration()
         await config.load_kube_config(config_file=self.kubeconfig, client_configuration=cfg)
-        self.api = client.ApiClient(cfg)
+        self.api = api_client(cfg)
         self.core = client.CoreV1Api(self.api)
 
     async def stop_stack(self) -> dict[str, Any]:

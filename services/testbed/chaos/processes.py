@@ -94,6 +94,7 @@ class ProcessChaos:
         from services.testbed.stack import HARNESS_USER, USERS_FILE, DirLock, private_dir
         from shared.bus.connect import Bus
         from shared.bus.provision import StreamsConfig, provision
+        from shared.kubeclient import api_client
         from shared.subjects import Subjects
 
         self.dir_lock = DirLock(self.run_dir)
@@ -173,7 +174,7 @@ class ProcessChaos:
                 raise RuntimeError(f"{p.name} not ready within {READY_TIMEOUT_S:.0f}s:\n{p.tail()}")
         cfg = client.Configuration()
         await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-        self.api = client.ApiClient(cfg)
+        self.api = api_client(cfg)
         self.core = client.CoreV1Api(self.api)
 
     async def _apply_api_faults(self) -> None:

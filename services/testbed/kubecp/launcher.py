@@ -46,6 +46,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from services.testbed.kubecp.pki import ClusterPki, Pair, make_pki
 from services.testbed.natsserver import LOOPBACK, free_port, write_private
 from services.testbed.stack import LOCK_FILE, DirLock, private_dir
+from shared.kubeclient import api_client
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +304,7 @@ class KubeControlPlane:
         """A client as the admin (``system:masters``): the harness's, never a vmfence service's."""
         cfg = client.Configuration()
         await config.load_kube_config(config_file=str(self.admin_kubeconfig), client_configuration=cfg)
-        return client.ApiClient(cfg)
+        return api_client(cfg)
 
     async def _wait(self, p: Proc, ready: Any, within_s: float, what: str) -> None:
         deadline = time.monotonic() + within_s
