@@ -7,10 +7,13 @@ from collections import Counter as _Counter
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from shared import heap
+
 
 class AgentMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.registry.register(heap.GC_PAUSE)  # the process's, as on every service's /metrics
         self.commands = Counter("vmfence_commands", "Commands handled by op and result",
                                 ["op", "result"], registry=self.registry)
         self.vms = Gauge("vmfence_vms", "VMs in the agent's ledger by state", ["state"],

@@ -12,6 +12,7 @@ from importlib.metadata import entry_points
 
 from services.cli import console, decisions, replay, status, verify, vnc
 from services.cli.common import CliError, eprint
+from shared import heap
 from shared.tasks import run_main
 
 SERVICES: dict[str, str] = {
@@ -26,6 +27,7 @@ COMMAND_GROUP = "vmfence.commands"  # entry points: a callable add_parsers(subpa
 def _service_main(module: str) -> Callable[[list[str]], int]:
     def run(argv: list[str]) -> int:
         mod = importlib.import_module(module)
+        heap.settle()  # once imported: see shared.heap
         return int(mod.main(argv))
 
     return run

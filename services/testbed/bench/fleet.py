@@ -349,6 +349,18 @@ class FleetBench:
         got = body.get("requests") if isinstance(body, dict) else None
         return {str(k): int(v) for k, v in got.items()} if isinstance(got, dict) else None
 
+    async def gc_seconds(self) -> dict[str, float]:
+        """Seconds each Python component has spent in its garbage collector so far (its
+        ``vmfence_gc_pause_seconds_total``; a component that serves no such metric is left out)."""
+        metric = "vmfence_gc_pause_seconds_total{"
+        out = {}
+        for name, proc in self.procs.items():
+            with contextlib.suppress(OSError, TimeoutError, ValueError, IndexError):
+                body = await _http_get(proc.port, "/metrics")
+                if metric in body:
+                    out[name] = sum(float(ln.rsplit(" ", 1)[1]) for ln in body.splitlines() if ln.startswith(metric))
+        return out
+
     async def nats_msgs(self) -> int:
         """Messages nats-server has received plus sent (``/varz`` in_msgs + out_msgs), every client's."""
         assert self.nats is not None
@@ -366,6 +378,7 @@ class FleetBench:
         spies = self._profile(f"pods{n}")
         req0 = await self.api_requests()
         meter = CpuMeter(self.pids)
+        gc0 = await self.gc_seconds()
         msgs0 = await self.nats_msgs()
         meter.start()
         t0 = time.time()
@@ -384,6 +397,7 @@ class FleetBench:
         writes = {k: up_writes.get(k, 0) + meter.writes.get(k, 0) for k in up_writes.keys() | meter.writes.keys()}
         msgs3 = await self.nats_msgs()
         req1 = await self.api_requests()
+        gc1 = await self.gc_seconds()
         await self._stop_profile(spies)
         both = {k: up.get(k, 0.0) + down.get(k, 0.0) for k in up.keys() | down.keys()}
         extra: dict[str, Any] = {}
@@ -404,6 +418,8 @@ class FleetBench:
             "cpu_ms_per_pod_up": CpuMeter.per_unit_ms(up, n),
             "nats_msgs_per_pod": round((msgs1 - msgs0 + msgs3 - msgs2) / n, 2),
             "write_syscalls_per_pod": {k: round(v, 2) for k, v in CpuMeter.per_unit(writes, n).items()},
+            # the part of cpu_ms_per_pod spent in each component's cyclic garbage collector
+            "gc_ms_per_pod": CpuMeter.per_unit_ms({k: v - gc0.get(k, 0.0) for k, v in gc1.items()}, n),
             **extra,
         }
 
