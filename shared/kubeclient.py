@@ -11,7 +11,12 @@ kubeconfig's ``proxy-url`` goes through the client configuration either way).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote, urlencode
 
+import aiohttp
+import msgspec
 from kubernetes_asyncio import client, config
 
 PROXY_VARIABLES = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy", "all_proxy")
@@ -40,3 +45,62 @@ async def load_api_client(kubeconfig: str | None) -> client.ApiClient:
     else:
         config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
     return api_client(cfg)
+
+
+JSON_TYPE = "application/json"
+
+
+def path_of(*segments: str) -> str:
+    """An API path from its segments, each quoted whole (a name is one segment, whatever it holds)."""
+    return "".join("/" + quote(seg, safe="") for seg in segments)
+
+
+class Requests:
+    """Requests by path over an :class:`ApiClient`'s own session, configuration and credentials.
+
+    kubernetes-asyncio's generated calls walk every body and parameter through its model layer
+    (``sanitize_for_serialization``), serialise with the standard ``json`` and build a timeout and
+    a header set per call: ~45 µs of a status patch's 165 µs of client CPU here, on a path every
+    pod takes eight times. This sends what the caller already holds as JSON (encoded by msgspec),
+    with the same authentication (``update_params_for_auth``: a refreshed bearer token included),
+    proxy and TLS server name as the generated calls, and answers the raw status and body."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+
+    async def send(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        content_type: str = JSON_TYPE,
+        query: Mapping[str, str | int] | None = None,
+        timeout_s: float,
+    ) -> tuple[int, bytes]:
+        """One request; ``(status, body)`` for any answer, aiohttp's exceptions for none."""
+        api, rest = self.api, self.api.rest_client
+        headers: dict[str, str] = {**api.default_headers, "Accept": JSON_TYPE}
+        queries: list[tuple[str, Any]] = list((query or {}).items())
+        await api.update_params_for_auth(headers, queries, ["BearerToken"])
+        url = f"{api.configuration.host}{path}"
+        if queries:
+            url += "?" + urlencode(queries)
+        data = None
+        if body is not None:
+            headers["Content-Type"] = content_type
+            data = msgspec.json.encode(body)
+        extra: dict[str, Any] = {}
+        if rest.proxy:
+            extra["proxy"] = rest.proxy
+        if rest.proxy_headers:
+            extra["proxy_headers"] = rest.proxy_headers
+        if rest.server_hostname:
+            extra["server_hostname"] = rest.server_hostname
+        timeout = self._timeouts.get(timeout_s)
+        if timeout is None:
+            timeout = self._timeouts[timeout_s] = aiohttp.ClientTimeout(total=timeout_s)
+        async with rest.pool_manager.request(method, url, headers=headers, data=data, timeout=timeout,
+                                             **extra) as resp:
+            return resp.status, await resp.read()

@@ -13,7 +13,9 @@ A write keeps no reference into the caller's body: what it keeps of it, it deep-
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import math
 import random
 import re
 import sqlite3
@@ -22,7 +24,6 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from . import podstatus, schema
@@ -53,7 +54,13 @@ SERVER_META = (
 
 def now_rfc3339(offset_s: float = 0.0) -> str:
     """Kubernetes timestamp format (second precision, UTC, ``Z``)."""
-    return (datetime.now(UTC) + timedelta(seconds=offset_s)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return _rfc3339_second(math.floor(time.time() + offset_s))
+
+
+@functools.lru_cache(maxsize=8)
+def _rfc3339_second(second: int) -> str:
+    # formatted once per second, not per call: every write stamps its object (managedFields too)
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(second))
 
 
 def meta(obj: Obj) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The Kubernetes side of the reconciler's effects: consistent reads and fenced writes.
 
-``KubeGateway`` is what the reconciler calls; :class:`K8sGateway` implements it with
-kubernetes-asyncio over the raw JSON API, :class:`NullGateway` without any Kubernetes (benchmarks).
+``KubeGateway`` is what the reconciler calls; :class:`K8sGateway` implements it over the raw JSON
+API with kubernetes-asyncio's configuration, credentials and session, by path
+(:class:`shared.kubeclient.Requests`); :class:`NullGateway` without any Kubernetes (benchmarks).
 
 Rules this module keeps (DESIGN.md, "Kubernetes side" and rules 3, 4 and 6):
 
@@ -55,7 +56,6 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 from kubernetes_asyncio import client
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from services.reconciler.status import (
     ANN_NETWORK,
@@ -92,6 +92,13 @@ COMPONENT = "vmfence"
 
 NAMESPACE_TERMINATING = "because it is being terminated"  # NamespaceLifecycle admission's refusal
 DEV_SERVER_MARK = "-vmfence-dev"  # in the development server's gitVersion (services/apiserver)
+
+
+def _object_path(key: Key, *sub: str) -> str:
+    """The API path of the key's object (a pod, or a VirtualMachine), or of its subresource."""
+    if key.kind == "pod":
+        return kubeclient.path_of("api", "v1", "namespaces", key.namespace, "pods", key.name, *sub)
+    return kubeclient.path_of("apis", VM_GROUP, VM_VERSION, "namespaces", key.namespace, VM_PLURAL, key.name, *sub)
 
 
 class KubeGateway(Protocol):
@@ -190,8 +197,7 @@ class K8sGateway:
         last_seen_max: int = LAST_SEEN_MAX,
     ) -> None:
         self.api = api_client
-        self.core = client.CoreV1Api(api_client)
-        self.custom = client.CustomObjectsApi(api_client)
+        self.http = kubeclient.Requests(api_client)
         self._owns = owns_client
         self.host_ip = host_ip
         self.host_network = host_network  # host -> its heartbeat's pod network (bridge | user | none)
@@ -213,24 +219,19 @@ class K8sGateway:
         """The API server's ``/version`` gitVersion ("" when it cannot be read in time)."""
         try:
             async with asyncio.timeout(self.call_timeout_s):
-                body = await self._retrying(client.VersionApi(self.api).get_code)
+                body = await self._retrying("GET", "/version")
         except (KubeError, TimeoutError) as exc:
             log.warning("cannot read the API server's version: %s", exc)
             return ""
         return str(body.get("gitVersion") or "")
 
     # --- requests -------------------------------------------------------------------------
-    async def _request(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> JSON:
+    async def _request(self, method: str, path: str, body: JSON | None = None, *,
+                       content_type: str = kubeclient.JSON_TYPE, query: dict[str, str | int] | None = None) -> JSON:
         """One HTTP request, raw JSON back; KubeError on any non-2xx or transport failure."""
         try:
-            resp = await fn(*args, _preload_content=False, _request_timeout=self.request_timeout_s, **kwargs)
-            try:
-                raw = await resp.read()
-                status = int(resp.status)
-            finally:
-                resp.release()
-        except ApiException as exc:
-            raise KubeError(int(exc.status or 0), str(exc.reason), str(exc.body or "")) from exc
+            status, raw = await self.http.send(method, path, body=body, content_type=content_type, query=query,
+                                               timeout_s=self.request_timeout_s)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise KubeError(0, "Transport", repr(exc)) from exc
         try:
@@ -241,12 +242,12 @@ class K8sGateway:
             raise KubeError(status, str(body.get("reason", "")), str(body.get("message", "")))
         return body if isinstance(body, dict) else {}
 
-    async def _retrying(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> JSON:
+    async def _retrying(self, method: str, path: str, body: JSON | None = None, **kwargs: Any) -> JSON:
         """``_request`` with bounded retries on 429/5xx/transport errors."""
         attempt = 0
         while True:
             try:
-                return await self._request(fn, *args, **kwargs)
+                return await self._request(method, path, body, **kwargs)
             except KubeError as exc:
                 attempt += 1
                 if exc.status not in TRANSIENT_CODES or attempt >= TRANSIENT_ATTEMPTS:
@@ -257,16 +258,7 @@ class K8sGateway:
     async def _get(self, key: Key) -> JSON | None:
         """Consistent read: GET with no resourceVersion. None when the object does not exist."""
         try:
-            if key.kind == "pod":
-                return await self._retrying(self.core.read_namespaced_pod, key.name, key.namespace)
-            return await self._retrying(
-                self.custom.get_namespaced_custom_object,
-                VM_GROUP,
-                VM_VERSION,
-                key.namespace,
-                VM_PLURAL,
-                key.name,
-            )
+            return await self._retrying("GET", _object_path(key))
         except KubeError as exc:
             if exc.status == 404:
                 return None
@@ -356,7 +348,7 @@ class K8sGateway:
             "target": {"apiVersion": "v1", "kind": "Node", "name": write.node},
         }
         try:
-            await self._retrying(self.core.create_namespaced_pod_binding, key.name, key.namespace, body)
+            await self._retrying("POST", _object_path(key, "binding"), body)
             return write.node
         except KubeError as exc:
             if exc.status == 404:
@@ -454,19 +446,7 @@ class K8sGateway:
             return obj
         precondition = {"uid": fence.uid, "resourceVersion": meta(obj).get("resourceVersion")}
         body = {**diff, "metadata": {**diff.get("metadata", {}), **precondition}}
-        if key.kind == "pod":
-            return await self._retrying(
-                self.core.patch_namespaced_pod_status, key.name, key.namespace, body, _content_type=MERGE_PATCH)
-        return await self._retrying(
-            self.custom.patch_namespaced_custom_object_status,
-            VM_GROUP,
-            VM_VERSION,
-            key.namespace,
-            VM_PLURAL,
-            key.name,
-            body,
-            _content_type=MERGE_PATCH,
-        )
+        return await self._retrying("PATCH", _object_path(key, "status"), body, content_type=MERGE_PATCH)
 
     async def _deleting_write(self, key: Key, fence: Fence, send: Callable[[], Awaitable[JSON]]) -> None:
         for _round in range(CONFLICT_ATTEMPTS):
@@ -495,39 +475,17 @@ class K8sGateway:
         await self._deleting_write(
             key,
             fence,
-            lambda: self._retrying(self.core.create_namespaced_pod_eviction, key.name, key.namespace, body),
+            lambda: self._retrying("POST", _object_path(key, "eviction"), body),
         )
 
     async def _delete(self, key: Key, fence: Fence) -> None:
         """Final deletion, as a kubelet does: grace 0 with the uid precondition."""
         if key.kind == "pod":
-            body = {"gracePeriodSeconds": 0, "preconditions": {"uid": fence.uid}}
-            await self._deleting_write(
-                key,
-                fence,
-                lambda: self._retrying(
-                    self.core.delete_namespaced_pod,
-                    key.name,
-                    key.namespace,
-                    grace_period_seconds=0,
-                    body=body,
-                ),
-            )
+            body: JSON = {"gracePeriodSeconds": 0, "preconditions": {"uid": fence.uid}}
+            query: dict[str, str | int] | None = {"gracePeriodSeconds": 0}
         else:
-            body = {"preconditions": {"uid": fence.uid}}
-            await self._deleting_write(
-                key,
-                fence,
-                lambda: self._retrying(
-                    self.custom.delete_namespaced_custom_object,
-                    VM_GROUP,
-                    VM_VERSION,
-                    key.namespace,
-                    VM_PLURAL,
-                    key.name,
-                    body=body,
-                ),
-            )
+            body, query = {"preconditions": {"uid": fence.uid}}, None
+        await self._deleting_write(key, fence, lambda: self._retrying("DELETE", _object_path(key), body, query=query))
 
     async def _event(self, key: Key, write: KubeWrite) -> None:
         """One Event per (incarnation, type, reason, message), as a kubelet's recorder aggregates:
@@ -563,7 +521,7 @@ class K8sGateway:
             "lastTimestamp": now,
         }
         try:
-            await self._retrying(self.core.create_namespaced_event, key.namespace, body)
+            await self._retrying("POST", kubeclient.path_of("api", "v1", "namespaces", key.namespace, "events"), body)
             return
         except KubeError as exc:
             if exc.status != 409:
@@ -572,8 +530,8 @@ class K8sGateway:
             return  # AlreadyExists for a first occurrence: a retry of this very event
         try:
             await self._retrying(
-                self.core.patch_namespaced_event, name, key.namespace,
-                {"count": write.count, "lastTimestamp": now}, _content_type=MERGE_PATCH,
+                "PATCH", kubeclient.path_of("api", "v1", "namespaces", key.namespace, "events", name),
+                {"count": write.count, "lastTimestamp": now}, content_type=MERGE_PATCH,
             )
         except KubeError as exc:
             raise _Outcome("failed", str(exc)) from exc

@@ -6,7 +6,8 @@ intent: pure functions of the current object and the ``PodStatusIntent`` (the ga
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import functools
+import time
 from typing import Any
 
 from shared.fence.schema import PodStatusIntent
@@ -26,7 +27,14 @@ COND_SPEC_VALID = "vmfence.io/SpecValid"
 
 
 def now_rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """The current second as Kubernetes writes timestamps (UTC, ``Z``)."""
+    return _rfc3339_second(int(time.time()))
+
+
+@functools.lru_cache(maxsize=4)
+def _rfc3339_second(second: int) -> str:
+    # formatted once per second, not per call: a pod's writes ask for it several times each
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(second))
 
 
 def meta(obj: JSON) -> JSON:

@@ -26,16 +26,17 @@ async def test_a_pod_recreated_between_the_read_and_the_status_patch_is_supersed
     old = await core.create_namespaced_pod(NS, pod_body("p"), _preload_content=False)
     old_uid = (await old.json())["metadata"]["uid"]
     successor: dict[str, Any] = {}
-    patch_status = gateway.core.patch_namespaced_pod_status
+    send = gateway.http.send
 
-    async def recreate_first(*args: Any, **kwargs: Any) -> Any:
-        if not successor:  # the status patch is on its way: the name changes hands now
+    async def recreate_first(method: str, path: str, **kwargs: Any) -> Any:
+        if method == "PATCH" and path.endswith("/status") and not successor:
+            # the status patch is on its way: the name changes hands now
             await core.delete_namespaced_pod("p", NS, grace_period_seconds=0)
             resp = await core.create_namespaced_pod(NS, pod_body("p"), _preload_content=False)
             successor.update(await resp.json())
-        return await patch_status(*args, **kwargs)
+        return await send(method, path, **kwargs)
 
-    gateway.core.patch_namespaced_pod_status = recreate_first  # type: ignore[method-assign]
+    gateway.http.send = recreate_first  # type: ignore[method-assign]
     key = Key("pod", NS, "p")
     done = await gateway.write(key, KubeWrite(id="w", verb="status", fence=Fence(str(key), old_uid, 1), status=RUNNING))
     assert successor, "the write never reached its status patch"
