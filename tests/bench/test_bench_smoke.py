@@ -88,6 +88,14 @@ def test_bench_all_smoke() -> None:
         assert floor["total"] == pytest.approx(floor["kube"] + floor["nats"], abs=0.02)
         assert x["over_floor"] == pytest.approx(x["cpu_ms_per_pod"]["total"] / floor["total"], rel=0.02)
     assert is_number(figs["pods"]["baseline_bare_api"][0]["apiserver_cpu_ms_per_create"])
+    # a reconciler stopped in the middle of a burst: the other took every partition, every pod ran
+    # (and each component's collector time is reported beside its CPU)
+    handover = figs["pods"]["handover"]
+    assert handover["pods"] == 40 and is_number(handover["steady_to_running_s"])
+    [stop] = handover["runs"]
+    assert stop["how"] == "stop" and is_number(stop["to_running_s"]), stop
+    assert is_number(stop["partitions_taken_over_s"]) and is_number(stop["rebalanced_s"]), stop
+    assert all(is_number(v) and v >= 0 for v in sizes[-1]["gc_ms_per_pod"].values()), sizes[-1]
     assert is_number(r["fleet"]["raw_publish_per_s"]["async"])
     per_msg = r["fleet"]["raw_publish_cpu_us_per_msg"]
     assert per_msg["client"] > 0 and per_msg["nats"] > 0

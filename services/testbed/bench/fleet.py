@@ -423,6 +423,54 @@ class FleetBench:
             **extra,
         }
 
+    async def handover(self, n: int, how: str) -> dict[str, Any]:
+        """n pods created as fast as the client can, and once half of them are, ``reconciler-2``
+        goes: ``stop`` (SIGTERM: it hands its partitions back) or ``kill`` (SIGKILL: they wait out
+        their leases). Seconds to all Running, and until ``reconciler-1`` held every partition; then
+        the pods are deleted, and ``reconciler-2`` is started again and given its share back."""
+        assert self.tracker is not None and how in ("stop", "kill")
+        victim, survivor = self.procs["reconciler-2"], self.procs["reconciler-1"]
+        names = [f"ho-{how}{n}-{i}" for i in range(n)]
+        half, made = asyncio.Event(), [0]
+
+        async def create(i: int) -> None:
+            await self._create_only(names[i])
+            made[0] += 1
+            if made[0] >= n // 2:
+                half.set()
+
+        t0 = time.time()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(_bounded(n, self.size["create_concurrency"], create))
+            await half.wait()
+            t_gone = time.time()
+            if how == "kill":
+                victim.kill()
+            else:
+                await victim.stop()
+            gone_s = time.time() - t_gone
+            taken_s = None
+            while taken_s is None and time.time() - t_gone < READY_S:
+                owned = await self.partitions_owned()
+                if owned.get(survivor.name) == PARTITIONS:
+                    taken_s = round(time.time() - t_gone, 2)
+                else:
+                    await asyncio.sleep(0.1)  # the leases' own rounds: a bounded poll
+        t_run = await self.tracker.wait(lambda: all(nm in self.tracker.running_at for nm in names),  # type: ignore[union-attr]
+                                        120 + n / 10, f"{n} pods Running across a hand-over ({how})")
+        await self.delete_all_and_wait(names, 120 + n / 10)
+        if not await victim.start_ready(READY_S):
+            raise RuntimeError(f"{victim.name} did not come back:\n{victim.tail()}")
+        balanced = await self.until_balanced(READY_S)
+        return {
+            "how": how,
+            "pods": n,
+            "to_running_s": round(t_run - t0, 3),
+            "reconciler_gone_after_s": round(gone_s, 2),  # SIGTERM: its own shutdown, hand-back included
+            "partitions_taken_over_s": taken_s,  # from the signal until the survivor held all of them
+            "rebalanced_s": balanced,
+        }
+
     async def latency(self, rate: int, seconds: float) -> dict[str, Any]:
         """Offered load ``rate`` pods/s for ``seconds``, creates on a fixed schedule: a slow system
         shows as latency, not as fewer pods."""
@@ -561,8 +609,11 @@ def library_floor(pods: dict[str, Any], bare: dict[str, Any], per_msg_us: dict[s
 
 
 async def run_fleet(size: dict[str, Any], sizes: list[int], loads: list[int], seconds: float, tmp: str,
-                    say: Callable[[str], None] = lambda s: None, profile_dir: str | None = None) -> dict[str, Any]:
-    """The throughput figures (issue 14): pods at each size, latency at each load, baselines."""
+                    say: Callable[[str], None] = lambda s: None, profile_dir: str | None = None,
+                    handover_pods: int = 0, handovers: tuple[str, ...] = ("stop", "kill")) -> dict[str, Any]:
+    """The throughput figures (issue 14): pods at each size, latency at each load, baselines; with
+    ``handover_pods``, that many pods across a reconciler's stop and/or kill (``handovers``), beside
+    the same burst with both reconcilers up."""
     from services.testbed.bench.command import raw_publish_rates
 
     out: dict[str, Any] = {"layout": "one process per component: " + ", ".join(
@@ -591,6 +642,11 @@ async def run_fleet(size: dict[str, Any], sizes: list[int], loads: list[int], se
             floor = got["library_floor_ms_per_pod"]["total"]
             got["over_floor"] = round(got["cpu_ms_per_pod"]["total"] / max(1e-9, floor), 2)
             out["pods"].append(got)
+        if handover_pods:
+            say(f"hand-overs: {handover_pods} pods")
+            steady = await fleet.pods(handover_pods)
+            out["handover"] = {"pods": handover_pods, "steady_to_running_s": steady["to_running_s"],
+                               "runs": [await fleet.handover(handover_pods, how) for how in handovers]}
         out["latency"] = []
         for rate in loads:
             say(f"latency at {rate}/s")
@@ -601,7 +657,7 @@ async def run_fleet(size: dict[str, Any], sizes: list[int], loads: list[int], se
     return out
 
 
-def main() -> None:  # pragma: no cover - manual runs: python -m services.testbed.bench.fleet 1000 [rate]
+def main() -> None:  # pragma: no cover - manual: python -m services.testbed.bench.fleet 1000 [rate] [hand-over pods]
     import sys
 
     from services.testbed.bench.suite import SIZES
@@ -610,8 +666,9 @@ def main() -> None:  # pragma: no cover - manual runs: python -m services.testbe
     sizes = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "200").split(",")]
     loads = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "50").split(",")]
     tmp = os.environ.get("TMPDIR", "/tmp") + f"/vmfence-fleet-{os.getpid()}"
+    handover = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     res = run_main(run_fleet(SIZES["smoke"], sizes, loads, 5.0, tmp, say=lambda s: print(s, file=sys.stderr),
-                             profile_dir=os.environ.get("VMFENCE_BENCH_PROFILE")))
+                             profile_dir=os.environ.get("VMFENCE_BENCH_PROFILE"), handover_pods=handover))
     print(json.dumps(res, indent=2))
 
 

@@ -54,10 +54,11 @@ SIZES: dict[str, dict[str, Any]] = {
     "smoke": {
         "loads": [50], "load_seconds": 2.0, "pods": 60, "fleet_pods": [40, 120], "mem_keys": 2000,
         "catchup_decisions": 5000, "raw_n": 5000, "create_concurrency": 32,
+        "handover_pods": 40, "handovers": ("stop",),  # a kill waits out a lease TTL: full size only
     },
     "full": {
         "loads": [50, 200, 1000], "load_seconds": 5.0, "pods": 10000, "fleet_pods": [1000, 10000],
-        "mem_keys": 100000,
+        "mem_keys": 100000, "handover_pods": 1000, "handovers": ("stop", "kill"),
         "catchup_decisions": 100000, "raw_n": 20000, "create_concurrency": 64,
     },
 }
@@ -488,7 +489,9 @@ async def run_all(
             t_fig = time.perf_counter()
             sizes = [pods] if pods else sz["fleet_pods"]
             fleet = await run_fleet(sz, sizes if "pods" in only else [], sz["loads"] if "latency" in only else [],
-                                    sz["load_seconds"], os.path.join(tmp, "fleet"))
+                                    sz["load_seconds"], os.path.join(tmp, "fleet"),
+                                    handover_pods=sz["handover_pods"] if "pods" in only else 0,
+                                    handovers=sz["handovers"])
             out["fleet"] = {"layout": fleet["layout"], "raw_publish_per_s": fleet["raw_publish_per_s"],
                             "raw_publish_cpu_us_per_msg": fleet["raw_publish_cpu_us_per_msg"],
                             "seconds": round(time.perf_counter() - t_fig, 1)}
@@ -506,6 +509,7 @@ async def run_all(
                 figs["pods"] = {
                     "sizes": runs,
                     "baseline_bare_api": fleet["bare_api"],
+                    "handover": fleet.get("handover"),
                     "scale_ratio": fleet.get("scale_ratio"),
                     "targets": {
                         "to_running_s": "10 000 pods Running in < 60 s, deleted to zero in < 60 s",
