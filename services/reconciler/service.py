@@ -84,6 +84,9 @@ class Reconciler:
         self._members = 0  # live reconcilers at the last lease round
         self._settle_until = 0.0  # loop time: the membership changed lately (see SETTLING_S)
         self._short_until = 0.0  # loop time: lease rounds are SETTLING_ROUND_S apart until then
+        # set when a lease or a member entry goes (a release, a graceful leave): the next lease round
+        # runs at once, so what a stopping reconciler handed back waits no round for its taker
+        self._lease_gone = asyncio.Event()
         self.hosts = HostsView(stale_after_s=cfg.host_stale_s)
         self._stop = asyncio.Event()
         self.ready = asyncio.Event()
@@ -157,10 +160,11 @@ class Reconciler:
                 effects_task = tg.create_task(self.effects.run())
                 snap_task = tg.create_task(self._snapshot_loop())
                 lease_task = tg.create_task(self._lease_loop(leases_kv, tg))
+                lease_watch = tg.create_task(self._watch_leases(leases_kv))
                 fleet_task = tg.create_task(self._fleet_loop(leases_kv, gateway))
                 drift_task = tg.create_task(self._drift_loop())
                 await self._stop.wait()
-                await cancel_and_wait([drift_task, lease_task], what="lease loop")
+                await cancel_and_wait([drift_task, lease_task, lease_watch], what="lease loop")
                 await self._release_all()
                 await cancel_and_wait([fleet_task, snap_task, hosts_task, effects_task], what="reconciler loop")
                 self.drift_counts = None  # holds no keys: judges nothing
@@ -213,6 +217,7 @@ class Reconciler:
         interval = max(0.2, self.cfg.lease_ttl_s / 3)
         member = PartitionLease(kv, MEMBER_PREFIX + self.safe_id(), self.writer, ttl_hint_s=self.cfg.lease_ttl_s)
         while True:
+            self._lease_gone.clear()  # what goes from here on wakes the next round
             try:
                 await self._lease_round(kv, member, tg)
             except asyncio.CancelledError:
@@ -223,7 +228,31 @@ class Reconciler:
             # taken within SETTLING_ROUND_S, not at our next round: their inputs wait meanwhile
             # (a third of the lease TTL was most of an 8 s stall of a burst in the fleet bench)
             settling = self._short_until > asyncio.get_running_loop().time()
-            await asyncio.sleep(min(interval, SETTLING_ROUND_S) if settling else interval)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(interval, SETTLING_ROUND_S) if settling else interval):
+                    await self._lease_gone.wait()
+
+    async def _watch_leases(self, kv: KeyValue) -> None:
+        """Wake the lease loop when a partition lease or a member entry is deleted: a reconciler
+        that stops hands its partitions back and leaves, and its partitions' inputs wait until
+        someone's next round takes them (a third of the TTL, 3.3 s by default, in the middle of a
+        rolling restart). Headers only; the renewals it also sees are a few a second."""
+        while True:
+            watcher = None
+            try:
+                watcher = await kv.watchall(meta_only=True)
+                async for entry in watcher:
+                    if entry is not None and entry.operation in ("DEL", "PURGE"):
+                        self._lease_gone.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the watch died (a server restart): the rounds go on meanwhile
+                log.warning("lease watch restarting: %r", exc)
+                await asyncio.sleep(1.0)
+            finally:
+                if watcher is not None:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()  # type: ignore[no-untyped-call]
 
     async def _lease_round(self, kv: KeyValue, member: PartitionLease, tg: asyncio.TaskGroup) -> None:
         # membership: how many reconcilers share the partitions

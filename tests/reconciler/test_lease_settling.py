@@ -42,3 +42,30 @@ async def test_a_joining_reconciler_settles_in_short_rounds_then_stops(nats_serv
                          "both back to rounds a third of the TTL apart", 5)
         first.stop()
         second.stop()
+
+
+async def test_what_a_stopping_reconciler_hands_back_is_taken_at_once_not_at_the_next_round(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A reconciler stopped on purpose releases its leases and leaves; the other, at its share and
+    in rounds a third of the TTL apart, sees the deletions on the leases bucket and takes every
+    partition at once. With rounds 10 s apart here, the next round would be far too late."""
+    ttl_s = 30.0
+    cfgs = [ReconcilerConfig(nats_url=[nats_server.url], partitions=P, id=name, data_dir=str(tmp_path / name),
+                             kube="none", http_port=0, lease_ttl_s=ttl_s) for name in ("rec-a", "rec-b")]
+    first, second = (Reconciler(cfg, gateway=NullGateway(), health=False) for cfg in cfgs)
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(first.run())
+        await asyncio.wait_for(first.ready.wait(), 30)
+        second_run = tg.create_task(second.run())
+        await asyncio.wait_for(second.ready.wait(), 30)
+        # the first hands half back at its next round: the joiner takes it in its short rounds
+        await wait_until(lambda: len(first.partitions) == len(second.partitions) == P // 2, "an even share", 25)
+        await wait_until(lambda: first._short_until == 0.0, "the first back to rounds ttl/3 apart", 5)
+        second.stop()
+        await second_run
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await wait_until(lambda: len(first.partitions) == P, "the first holding every partition", 5)
+        assert loop.time() - t0 < ttl_s / 3 / 2, "taken at the next round, not when they were handed back"
+        first.stop()
