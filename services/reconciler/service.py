@@ -237,18 +237,22 @@ class Reconciler:
         that stops hands its partitions back and leaves, and its partitions' inputs wait until
         someone's next round takes them (a third of the TTL, 3.3 s by default, in the middle of a
         rolling restart). Headers only; the renewals it also sees are a few a second."""
+        delay = 1.0
         while True:
             watcher = None
             try:
                 watcher = await kv.watchall(meta_only=True)
                 async for entry in watcher:
+                    delay = 1.0  # a watch that delivers is healthy
                     if entry is not None and entry.operation in ("DEL", "PURGE"):
                         self._lease_gone.set()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # the watch died (a server restart): the rounds go on meanwhile
-                log.warning("lease watch restarting: %r", exc)
-                await asyncio.sleep(1.0)
+            except Exception as exc:  # the watch died (a server restart, a permission missing): the
+                # rounds go on meanwhile, and it is tried again less and less often
+                log.warning("lease watch restarting in %.0f s: %r", delay, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 60.0)
             finally:
                 if watcher is not None:
                     with contextlib.suppress(Exception):

@@ -1,7 +1,7 @@
 """The local stacks' NATS config is deploy/nats/accounts.conf itself, rendered (issue 10, finding 3):
 the same users and permission lists, generated passwords, and a host with no user of its own gets
-the host-a block with its name — and the reconciler's user can watch the hosts bucket, as its hosts
-view does (nats-py's watch asks its consumer's info)."""
+the host-a block with its name — and the reconciler's user can watch the hosts and leases buckets,
+as its hosts view and lease rounds do (nats-py's watch asks its consumer's info)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def test_the_rendered_config_is_accounts_conf_with_passwords_and_rendered_hosts(
     assert users_of(extra) == [*users_of(source)[:3], "agent-edge-7", *users_of(source)[3:]]
 
 
-async def test_the_reconciler_watches_the_hosts_bucket_under_the_rendered_permissions(tmp_path: Path) -> None:
+async def test_the_reconciler_watches_its_buckets_under_the_rendered_permissions(tmp_path: Path) -> None:
+    """The hosts bucket (its hosts view) and the leases bucket (its lease rounds wake on a release)."""
     text, users = local_accounts(("host-a",))
     server = await start_nats(store_dir=str(tmp_path / "nats"), config_text=text)
     subjects = Subjects()
@@ -52,11 +53,12 @@ async def test_the_reconciler_watches_the_hosts_bucket_under_the_rendered_permis
         bus = await Bus.open(server.url, name="rec", subjects=subjects, auth=users.auth("reconciler"))
         try:
             await provision(bus.js, subjects, StreamsConfig())
-            kv = await bus.js.key_value(subjects.kv_hosts)
-            watcher = await kv.watchall()
-            first = await watcher.updates(timeout=WATCH_TIMEOUT_S)
-            assert first is None  # the end of the (empty) initial values: the watch is up
-            await watcher.stop()
+            for bucket in (subjects.kv_hosts, subjects.kv_leases):
+                kv = await bus.js.key_value(bucket)
+                watcher = await kv.watchall(meta_only=bucket == subjects.kv_leases)
+                first = await watcher.updates(timeout=WATCH_TIMEOUT_S)
+                assert first is None, bucket  # the end of the (empty) initial values: the watch is up
+                await watcher.stop()
         finally:
             await bus.close()
         try:

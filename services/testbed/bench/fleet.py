@@ -368,12 +368,13 @@ class FleetBench:
         return int(v.get("in_msgs", 0)) + int(v.get("out_msgs", 0))
 
     # ------------------------------------------------------------------------------ figures
-    async def pods(self, n: int) -> dict[str, Any]:
+    async def pods(self, n: int, tag: str = "pod") -> dict[str, Any]:
         """n pods created as fast as the client can, to all Running, then deleted to zero VMs;
-        CPU per pod by component over the whole create+delete cycle."""
+        CPU per pod by component over the whole create+delete cycle. ``tag`` names them: the
+        tracker remembers names, so a second run of the same size needs another."""
         assert self.tracker is not None
         js, subjects = self.bus.js, self.subjects
-        names = [f"pod{n}-{i}" for i in range(n)]
+        names = [f"{tag}{n}-{i}" for i in range(n)]
         start_seq = await log_last_seq(js, subjects) + 1
         spies = self._profile(f"pods{n}")
         req0 = await self.api_requests()
@@ -644,7 +645,7 @@ async def run_fleet(size: dict[str, Any], sizes: list[int], loads: list[int], se
             out["pods"].append(got)
         if handover_pods:
             say(f"hand-overs: {handover_pods} pods")
-            steady = await fleet.pods(handover_pods)
+            steady = await fleet.pods(handover_pods, tag="steady")
             out["handover"] = {"pods": handover_pods, "steady_to_running_s": steady["to_running_s"],
                                "runs": [await fleet.handover(handover_pods, how) for how in handovers]}
         out["latency"] = []
