@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import nats.errors
+import pytest
+
 from services.reconciler.config import ReconcilerConfig
 from services.reconciler.kube import NullGateway
 from services.reconciler.service import SETTLING_ROUND_S, Reconciler
@@ -69,3 +72,31 @@ async def test_what_a_stopping_reconciler_hands_back_is_taken_at_once_not_at_the
         await wait_until(lambda: len(first.partitions) == P, "the first holding every partition", 5)
         assert loop.time() - t0 < ttl_s / 3 / 2, "taken at the next round, not when they were handed back"
         first.stop()
+
+
+async def test_a_partition_whose_load_fails_is_handed_back_and_taken_again(
+    nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Partitions are loaded side by side; one whose load the bus fails is not kept (a lease held
+    with no partition running would be renewed forever while its inputs wait): its lease goes back,
+    the others load on, and a later round takes it."""
+    from services.reconciler.partition import Partition
+
+    load = Partition.load
+    failed: list[int] = []
+
+    async def flaky(self: Partition) -> None:
+        if self.p == 1 and not failed:
+            failed.append(self.p)
+            raise nats.errors.TimeoutError
+        await load(self)
+
+    monkeypatch.setattr(Partition, "load", flaky)
+    rec = _reconciler(nats_server, tmp_path, "rec-a")
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(rec.run())
+        await asyncio.wait_for(rec.ready.wait(), 30)
+        assert failed == [1]
+        await wait_until(lambda: set(rec._tasks) == set(range(P)) == set(rec.partitions),
+                         "every partition running, the one that failed too", 10)
+        rec.stop()
