@@ -174,7 +174,9 @@ async def _run_decisions(keys: int, partitions: int) -> dict[str, object]:
     from services.reconciler.config import ReconcilerConfig
     from services.reconciler.kube import NullGateway
     from services.reconciler.service import Reconciler
+    from shared import heap
 
+    heap.settle()  # as `vmfence reconciler` runs: its raw-publish baseline runs settled too
     tmp = tempfile.mkdtemp(prefix="vmfence-bench-")
     server = await start_nats(store_dir=os.path.join(tmp, "nats"))
     try:
