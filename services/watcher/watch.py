@@ -7,7 +7,9 @@ One :class:`ResourceLoop` per resource type (pods, virtualmachines.vmfence.io):
    every uid known from before that is absent from the list;
 2. **watch** from the list's resourceVersion with ``allowWatchBookmarks``; each event is published
    *before* the loop's resourceVersion advances past it, so a failed publish or dropped stream
-   resumes without a gap;
+   resumes without a gap. The object events of one chunk of the stream are published side by side
+   as one run (one write and one round of acks, not a round trip each) and remembered only once
+   all of them are stored;
 3. on a 410 Gone (an ``ERROR`` event with code 410, or an HTTP 410) → relist; on a dropped stream
    or any error → reconnect from the last resourceVersion after an exponential backoff
    (``BACKOFF_BASE_S`` doubling to ``BACKOFF_MAX_S``, reset by a healthy stream); a normal
@@ -194,28 +196,57 @@ class ResourceLoop:
                           subject=f"{self.kind}/{ident['namespace']}/{ident['name']}", data=json.dumps(ident).encode())
 
     async def _handle(self, etype: str, obj: JSON) -> None:
-        gone = etype == "DELETED"
-        try:
-            got = self._observe(obj, gone)
-        except Exception as exc:  # a defect of this object, not of the watch
-            await self._reject(obj, exc)
-            return
-        if got is None:
-            return
-        key, obs = got
-        seen = _unversioned(obs)
-        prev = self.known.get(obs.uid)
-        if self.skip_unchanged and not gone and prev is not None and prev.seen == seen:
-            # nothing the reconciler decides on changed (e.g. our own status write)
-            prev.rv = obs.resource_version
+        await self._publish_batch([(etype, obj)])
+
+    async def _publish_batch(self, events: list[tuple[str, JSON]]) -> None:
+        """Publish the observations of a run of watch events side by side (one write, one round of
+        acks, instead of a round trip each), and only then remember them: a failed publish
+        raises with nothing of the run remembered, so the watch resumes before it and publishes
+        it all again (each stored once: its Msg-Id). Events of one uid in one run are judged in
+        order against each other (``skip_unchanged``); a publish retried behind a later one of
+        its key lands after it, and the reconciler drops an observation older than what it has."""
+        staged: dict[str, _Known | None] = {}  # uid -> what it will be known as (None: gone)
+        unchanged: list[tuple[str, int]] = []
+        sends: list[tuple[Key, Observed, str]] = []
+        for etype, obj in events:
+            gone = etype == "DELETED"
+            try:
+                got = self._observe(obj, gone)
+            except Exception as exc:  # a defect of this object, not of the watch
+                await self._reject(obj, exc)
+                continue
+            if got is None:
+                continue
+            key, obs = got
+            seen = _unversioned(obs)
+            prev = staged[obs.uid] if obs.uid in staged else self.known.get(obs.uid)
+            if self.skip_unchanged and not gone and prev is not None and prev.seen == seen:
+                # nothing the reconciler decides on changed (e.g. our own status write)
+                unchanged.append((obs.uid, obs.resource_version))
+                continue
+            sends.append((key, obs, etype))
+            staged[obs.uid] = None if gone else _Known(key, obs.resource_version, seen)
+        if len(sends) == 1:
+            key, obs, _ = sends[0]
+            await self._publish(key, obs, f"{obs.uid}:{obs.resource_version}")
+        elif sends:
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    for key, obs, _ in sends:
+                        tg.create_task(self._publish(key, obs, f"{obs.uid}:{obs.resource_version}"))
+            except ExceptionGroup as eg:
+                raise eg.exceptions[0] from eg  # the watch's restart logs one cause
+        for uid, known in staged.items():
+            if known is None:
+                self.known.pop(uid, None)
+            else:
+                self.known[uid] = known
+        for uid, rv in unchanged:
+            if (k := self.known.get(uid)) is not None:
+                k.rv = max(k.rv, rv)
             WATCH_EVENTS.labels(self.kind, "UNCHANGED").inc()
-            return
-        await self._publish(key, obs, f"{obs.uid}:{obs.resource_version}")
-        if gone:
-            self.known.pop(obs.uid, None)
-        else:
-            self.known[obs.uid] = _Known(key, obs.resource_version, seen)
-        WATCH_EVENTS.labels(self.kind, etype).inc()
+        for _, _, etype in sends:
+            WATCH_EVENTS.labels(self.kind, etype).inc()
 
     # --- list -----------------------------------------------------------------------------
     async def relist(self) -> None:
@@ -294,9 +325,7 @@ class ResourceLoop:
                     # every whole line at once (splitting one line off at a time copied the rest of
                     # a burst's buffer per line); msgspec decodes a pod in half json's time
                     *lines, buf = buf.split(b"\n")
-                    for line in lines:
-                        if line.strip():
-                            await self._event(msgspec.json.decode(line))
+                    await self._events([msgspec.json.decode(line) for line in lines if line.strip()])
                 if self.stopping.is_set():
                     return False  # (a cancellation of this loop can be lost: see shared.tasks)
                 if len(buf) > MAX_LINE_BYTES:
@@ -306,20 +335,39 @@ class ResourceLoop:
         return time.monotonic() - started >= timeout_s - 1
 
     async def _event(self, ev: JSON) -> None:
-        etype = str(ev.get("type", ""))
-        obj = ev.get("object") or {}
-        if etype == "ERROR":
-            code = obj.get("code")
-            if code == 410:
-                raise Expired(str(obj.get("message")))
-            raise StreamError(int(code or 0), str(obj.get("message")))
-        rv = str((obj.get("metadata") or {}).get("resourceVersion") or "")
-        if etype == "BOOKMARK":
-            WATCH_EVENTS.labels(self.kind, etype).inc()
-        elif etype in ("ADDED", "MODIFIED", "DELETED"):
-            await self._handle(etype, obj)
-        if rv:
-            self.rv = rv  # only after the event was published
+        await self._events([ev])
+
+    async def _events(self, evs: list[JSON]) -> None:
+        """A chunk's watch events: the object events between two others (an error, a bookmark)
+        published as one run, and the resourceVersion advanced past them only once they are."""
+        run: list[tuple[str, JSON]] = []
+        run_rv = ""
+        for ev in evs:
+            etype = str(ev.get("type", ""))
+            obj = ev.get("object") or {}
+            rv = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+            if etype in ("ADDED", "MODIFIED", "DELETED"):
+                run.append((etype, obj))
+                run_rv = rv or run_rv
+                continue
+            if run:
+                await self._publish_batch(run)
+                run = []
+                if run_rv:
+                    self.rv = run_rv  # only after the events were published
+            if etype == "ERROR":
+                code = obj.get("code")
+                if code == 410:
+                    raise Expired(str(obj.get("message")))
+                raise StreamError(int(code or 0), str(obj.get("message")))
+            if etype == "BOOKMARK":
+                WATCH_EVENTS.labels(self.kind, etype).inc()
+            if rv:
+                self.rv = rv
+        if run:
+            await self._publish_batch(run)
+            if run_rv:
+                self.rv = run_rv  # only after the events were published
 
     async def wait_streams(self, more_than: int) -> None:
         """Until more than ``more_than`` watch streams have been opened."""
