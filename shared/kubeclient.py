@@ -91,13 +91,9 @@ class Requests:
         if body is not None:
             headers["Content-Type"] = content_type
             data = msgspec.json.encode(body)
-        extra: dict[str, Any] = {}
-        if rest.proxy:
-            extra["proxy"] = rest.proxy
-        if rest.proxy_headers:
-            extra["proxy_headers"] = rest.proxy_headers
-        if rest.server_hostname:
-            extra["server_hostname"] = rest.server_hostname
+        # what the generated calls pass too, when the configuration sets it
+        given = {"proxy": rest.proxy, "proxy_headers": rest.proxy_headers, "server_hostname": rest.server_hostname}
+        extra: dict[str, Any] = {k: v for k, v in given.items() if v}
         timeout = self._timeouts.get(timeout_s)
         if timeout is None:
             timeout = self._timeouts[timeout_s] = aiohttp.ClientTimeout(total=timeout_s)
