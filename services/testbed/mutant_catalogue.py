@@ -164,17 +164,15 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "kube-confirm-from-the-cache", KUBE_PY,
-        "                return await self._retrying(self.core.read_namespaced_pod, key.name, key.namespace)\n",
-        "                return await self._retrying(\n"
-        "                    self.core.read_namespaced_pod, key.name, key.namespace, resource_version=\"0\"\n"
-        "                )\n",
+        '            return await self._retrying("GET", _object_path(key))\n',
+        '            return await self._retrying("GET", _object_path(key), query={"resourceVersion": "0"})\n',
         "rule 3: confirmation is a consistent read (no resourceVersion), never the lagging cache",
         KUBE,
     ),
     Mutant(
         "kube-delete-without-uid-precondition", KUBE_PY,
-        '            body = {"gracePeriodSeconds": 0, "preconditions": {"uid": fence.uid}}\n',
-        '            body = {"gracePeriodSeconds": 0}\n',
+        '            body: JSON = {"gracePeriodSeconds": 0, "preconditions": {"uid": fence.uid}}\n',
+        '            body: JSON = {"gracePeriodSeconds": 0}\n',
         "rule 4: the final delete carries preconditions.uid; it never removes a successor",
         KUBE,
     ),
