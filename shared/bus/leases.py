@@ -102,16 +102,29 @@ class PartitionLease:
         return rev
 
     async def release(self, revision: int | None = None) -> bool:
-        """CAS-delete; False if the lease was already lost (then nothing is touched)."""
+        """CAS-delete; False if the lease was already lost (then nothing is touched).
+
+        Releasing what this object holds (no ``revision`` given): a renewal cancelled after it was
+        sent (a shutdown cancels the lease rounds) may have moved the revision on without our
+        knowing. The entry then still names us at a newer revision, and that one is released
+        instead; left alone it kept the partition from everyone until the TTL (10 s of a rolling
+        restart's stall in the fleet bench). An explicit ``revision`` is released or nothing is."""
         last = self.revision if revision is None else revision
         if not last:
             return False
-        try:
-            await self.kv.delete(self.key, last=last)
-        except nats.js.errors.APIError as exc:
-            if exc.err_code in (ERR_WRONG_LAST_SEQUENCE, *ERR_IN_FLIGHT_PROPOSAL):
-                self.revision = None
-                return False
-            raise
+        for _ in range(2 if revision is None else 1):
+            try:
+                await self.kv.delete(self.key, last=last)
+            except nats.js.errors.APIError as exc:
+                if exc.err_code not in (ERR_WRONG_LAST_SEQUENCE, *ERR_IN_FLIGHT_PROPOSAL):
+                    raise
+                current = await self.holder()
+                if current is None or current[0].owner != self.owner or current[1] == last:
+                    self.revision = None
+                    return False
+                last = current[1]  # ours, renewed behind our back: CAS-delete that revision
+                continue
+            self.revision = None
+            return True
         self.revision = None
-        return True
+        return False

@@ -147,3 +147,24 @@ async def test_a_lease_that_expires_inside_create_is_taken_not_raised(kv: KeyVal
     assert racing.raised == 1 and rev is not None and lease.revision == rev
     holder = await lease.holder()
     assert holder is not None and holder[0].owner == "b"
+
+
+async def test_a_renewal_whose_answer_was_lost_does_not_keep_the_lease_from_a_release(kv: KeyValue) -> None:
+    """A shutdown cancels the lease rounds, maybe after a renewal was sent and before its answer
+    came: the entry still names us, at a revision this object never saw. Releasing what it holds
+    releases that revision, so the partition is free now, not when the TTL expires it."""
+    a = PartitionLease(kv, 9, "a")
+    r1 = await a.acquire()
+    assert r1 is not None
+    r2 = await kv.update("9", a._value(), last=r1)  # the renewal applied; its answer never read
+    assert a.revision == r1 != r2
+    assert await a.release() is True
+    assert await a.holder() is None
+    # someone else's entry is never released that way
+    b = PartitionLease(kv, 10, "b")
+    rb = await b.acquire()
+    assert rb is not None
+    await kv.update("10", b'{"owner":"c","expires_hint":0}', last=rb)
+    assert await b.release() is False
+    held = await b.holder()
+    assert held is not None and held[0].owner == "c"
