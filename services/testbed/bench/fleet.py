@@ -259,6 +259,13 @@ class FleetBench:
         """Nothing beyond the processes: the development server is one of them."""
 
     async def __aexit__(self, *exc: object) -> None:
+        from shared.tasks import finish_shielded
+
+        # to its end even when interrupted again meanwhile (SIGTERM twice, or the re-cancels of
+        # shared.tasks.interruptible): half a stop leaves nats-server or the API server behind
+        await finish_shielded(self._stop_all())
+
+    async def _stop_all(self) -> None:
         if self._tracker_task is not None:
             self._tracker_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -662,14 +669,17 @@ def main() -> None:  # pragma: no cover - manual: python -m services.testbed.ben
     import sys
 
     from services.testbed.bench.suite import SIZES
-    from shared.tasks import run_main
+    from shared.tasks import interruptible, run_main
 
     sizes = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "200").split(",")]
     loads = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "50").split(",")]
     tmp = os.environ.get("TMPDIR", "/tmp") + f"/vmfence-fleet-{os.getpid()}"
     handover = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-    res = run_main(run_fleet(SIZES["smoke"], sizes, loads, 5.0, tmp, say=lambda s: print(s, file=sys.stderr),
-                             profile_dir=os.environ.get("VMFENCE_BENCH_PROFILE"), handover_pods=handover))
+    # SIGTERM too ends the run through its cleanup: the fleet's processes start in sessions of their
+    # own and would outlive a harness that just died (and weigh on the next run's figures)
+    fleet = run_fleet(SIZES["smoke"], sizes, loads, 5.0, tmp, say=lambda s: print(s, file=sys.stderr),
+                      profile_dir=os.environ.get("VMFENCE_BENCH_PROFILE"), handover_pods=handover)
+    res = run_main(interruptible(fleet))
     print(json.dumps(res, indent=2))
 
 
