@@ -67,7 +67,10 @@ class Requests:
 
     def __init__(self, api: client.ApiClient) -> None:
         self.api = api
-        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+        rest = api.rest_client
+        # what the generated calls pass too, when the client was made with it (fixed from then on)
+        given = {"proxy": rest.proxy, "proxy_headers": rest.proxy_headers, "server_hostname": rest.server_hostname}
+        self._extra: dict[str, Any] = {k: v for k, v in given.items() if v}
 
     async def send(
         self,
@@ -80,7 +83,7 @@ class Requests:
         timeout_s: float,
     ) -> tuple[int, bytes]:
         """One request; ``(status, body)`` for any answer, aiohttp's exceptions for none."""
-        api, rest = self.api, self.api.rest_client
+        api = self.api
         headers: dict[str, str] = {**api.default_headers, "Accept": JSON_TYPE}
         queries: list[tuple[str, Any]] = list((query or {}).items())
         await api.update_params_for_auth(headers, queries, ["BearerToken"])
@@ -91,12 +94,7 @@ class Requests:
         if body is not None:
             headers["Content-Type"] = content_type
             data = msgspec.json.encode(body)
-        # what the generated calls pass too, when the configuration sets it
-        given = {"proxy": rest.proxy, "proxy_headers": rest.proxy_headers, "server_hostname": rest.server_hostname}
-        extra: dict[str, Any] = {k: v for k, v in given.items() if v}
-        timeout = self._timeouts.get(timeout_s)
-        if timeout is None:
-            timeout = self._timeouts[timeout_s] = aiohttp.ClientTimeout(total=timeout_s)
-        async with rest.pool_manager.request(method, url, headers=headers, data=data, timeout=timeout,
-                                             **extra) as resp:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with api.rest_client.pool_manager.request(method, url, headers=headers, data=data, timeout=timeout,
+                                                        **self._extra) as resp:
             return resp.status, await resp.read()

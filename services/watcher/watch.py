@@ -195,16 +195,16 @@ class ResourceLoop:
         await dead_letter(self.js, self.subjects, source="watcher", reason=reason,
                           subject=f"{self.kind}/{ident['namespace']}/{ident['name']}", data=json.dumps(ident).encode())
 
-    async def _handle(self, etype: str, obj: JSON) -> None:
-        await self._publish_batch([(etype, obj)])
-
-    async def _publish_batch(self, events: list[tuple[str, JSON]]) -> None:
+    async def _publish_run(self, events: list[tuple[str, JSON]]) -> None:
         """Publish the observations of a run of watch events side by side (one write, one round of
-        acks, instead of a round trip each), and only then remember them: a failed publish
-        raises with nothing of the run remembered, so the watch resumes before it and publishes
-        it all again (each stored once: its Msg-Id). Events of one uid in one run are judged in
-        order against each other (``skip_unchanged``); a publish retried behind a later one of
-        its key lands after it, and the reconciler drops an observation older than what it has."""
+        acks, instead of a round trip each), then remember them, then advance the resourceVersion
+        past them: a failed publish raises with nothing of the run remembered, so the watch resumes
+        before it and publishes it all again (each stored once: its Msg-Id). Events of one uid in
+        one run are judged in order against each other (``skip_unchanged``); a publish retried
+        behind a later one of its key lands after it, and the reconciler drops an observation older
+        than what it has."""
+        if not events:
+            return
         staged: dict[str, _Known | None] = {}  # uid -> what it will be known as (None: gone)
         unchanged: list[tuple[str, int]] = []
         sends: list[tuple[Key, Observed, str]] = []
@@ -247,6 +247,9 @@ class ResourceLoop:
             WATCH_EVENTS.labels(self.kind, "UNCHANGED").inc()
         for _, _, etype in sends:
             WATCH_EVENTS.labels(self.kind, etype).inc()
+        versions = [str((obj.get("metadata") or {}).get("resourceVersion") or "") for _, obj in events]
+        if rv := next((v for v in reversed(versions) if v), ""):
+            self.rv = rv  # only after the events were published
 
     # --- list -----------------------------------------------------------------------------
     async def relist(self) -> None:
@@ -334,27 +337,18 @@ class ResourceLoop:
             resp.release()
         return time.monotonic() - started >= timeout_s - 1
 
-    async def _event(self, ev: JSON) -> None:
-        await self._events([ev])
-
     async def _events(self, evs: list[JSON]) -> None:
         """A chunk's watch events: the object events between two others (an error, a bookmark)
-        published as one run, and the resourceVersion advanced past them only once they are."""
+        published as one run (``_publish_run``)."""
         run: list[tuple[str, JSON]] = []
-        run_rv = ""
         for ev in evs:
             etype = str(ev.get("type", ""))
             obj = ev.get("object") or {}
-            rv = str((obj.get("metadata") or {}).get("resourceVersion") or "")
             if etype in ("ADDED", "MODIFIED", "DELETED"):
                 run.append((etype, obj))
-                run_rv = rv or run_rv
                 continue
-            if run:
-                await self._publish_batch(run)
-                run = []
-                if run_rv:
-                    self.rv = run_rv  # only after the events were published
+            await self._publish_run(run)
+            run = []
             if etype == "ERROR":
                 code = obj.get("code")
                 if code == 410:
@@ -362,12 +356,9 @@ class ResourceLoop:
                 raise StreamError(int(code or 0), str(obj.get("message")))
             if etype == "BOOKMARK":
                 WATCH_EVENTS.labels(self.kind, etype).inc()
-            if rv:
+            if rv := str((obj.get("metadata") or {}).get("resourceVersion") or ""):
                 self.rv = rv
-        if run:
-            await self._publish_batch(run)
-            if run_rv:
-                self.rv = run_rv  # only after the events were published
+        await self._publish_run(run)
 
     async def wait_streams(self, more_than: int) -> None:
         """Until more than ``more_than`` watch streams have been opened."""

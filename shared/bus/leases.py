@@ -112,19 +112,22 @@ class PartitionLease:
         last = self.revision if revision is None else revision
         if not last:
             return False
-        for _ in range(2 if revision is None else 1):
-            try:
-                await self.kv.delete(self.key, last=last)
-            except nats.js.errors.APIError as exc:
-                if exc.err_code not in (ERR_WRONG_LAST_SEQUENCE, *ERR_IN_FLIGHT_PROPOSAL):
-                    raise
-                current = await self.holder()
-                if current is None or current[0].owner != self.owner or current[1] == last:
-                    self.revision = None
-                    return False
-                last = current[1]  # ours, renewed behind our back: CAS-delete that revision
-                continue
-            self.revision = None
+        if await self._delete_at(last):
             return True
-        self.revision = None
+        if revision is None:
+            current = await self.holder()
+            if current is not None and current[0].owner == self.owner and current[1] != last:
+                return await self._delete_at(current[1])  # ours, renewed behind our back
         return False
+
+    async def _delete_at(self, revision: int) -> bool:
+        """CAS-delete at ``revision``; False when that is no longer the entry's revision."""
+        try:
+            await self.kv.delete(self.key, last=revision)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code not in (ERR_WRONG_LAST_SEQUENCE, *ERR_IN_FLIGHT_PROPOSAL):
+                raise
+            self.revision = None
+            return False
+        self.revision = None
+        return True

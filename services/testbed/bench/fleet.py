@@ -359,13 +359,11 @@ class FleetBench:
     async def gc_seconds(self) -> dict[str, float]:
         """Seconds each Python component has spent in its garbage collector so far (its
         ``vmfence_gc_pause_seconds_total``; a component that serves no such metric is left out)."""
-        metric = "vmfence_gc_pause_seconds_total{"
         out = {}
         for name, proc in self.procs.items():
             with contextlib.suppress(OSError, TimeoutError, ValueError, IndexError):
-                body = await _http_get(proc.port, "/metrics")
-                if metric in body:
-                    out[name] = sum(float(ln.rsplit(" ", 1)[1]) for ln in body.splitlines() if ln.startswith(metric))
+                if got := _samples(await _http_get(proc.port, "/metrics"), "vmfence_gc_pause_seconds_total"):
+                    out[name] = sum(got)
         return out
 
     async def nats_msgs(self) -> int:
@@ -532,8 +530,12 @@ class FleetBench:
 
 async def _gauge(port: int, name: str) -> float:
     """A labelled gauge on a service's /metrics, its samples summed."""
-    body = await _http_get(port, "/metrics")
-    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name + "{"))
+    return sum(_samples(await _http_get(port, "/metrics"), name))
+
+
+def _samples(metrics: str, name: str) -> list[float]:
+    """The values of a labelled metric's samples in a /metrics text (none: not served)."""
+    return [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{")]
 
 
 async def _http_get(port: int, path: str) -> str:
