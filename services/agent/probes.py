@@ -1,4 +1,4 @@
-"""Readiness and liveness probes: one loop per running VM, each carrying the fence it was started under.
+"""Readiness and liveness probes of running VMs, each probe carrying the fence it was started under.
 
 A probe result is published only if it changed *and* the probe's fence is still the VM's owner in
 the ledger, checked right before publishing — so a probe that started before an adopt moved the VM
@@ -27,8 +27,9 @@ import asyncio
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
-from services.agent.ledger import Ledger
+from services.agent.ledger import Ledger, VMRow
 from services.agent.logs import fence_fields
 from services.agent.runtime import Inconclusive, RuntimeDriver, RuntimeFailure
 from shared.fence.schema import Fence, Probe, ProbeChanged
@@ -37,6 +38,7 @@ from shared.tasks import cancel_and_wait
 log = logging.getLogger("vmfence.agent.probes")
 
 PROBED_STATES = ("running", "paused")
+SWEEP_WORKERS = 16  # runtime probes in flight at once (a probe that hangs holds one until its timeout)
 
 Publish = Callable[[ProbeChanged], Awaitable[None]]
 LivenessFailed = Callable[[str, Fence], Awaitable[None]]
@@ -98,8 +100,31 @@ class Streak:
         return self.verdict
 
 
+@dataclass(eq=False)
+class _Swept:
+    """A VM probed by the sweep: queued or not, its probes under way, what was last reported for
+    it, and a generation that ``restart`` moves on, so that a probe begun before the restart is not
+    reported."""
+
+    gen: int = 0
+    reported: tuple[Fence, bool] | None = None
+    queued: bool = False
+    probing: int = 0  # one at a time, but for a restart's, which does not wait for its past's
+
+
+def _own_probe(row: VMRow) -> bool:
+    """Does the VM's spec carry a probe of its own (its own timing, so a loop of its own)?"""
+    return row.spec.readiness is not None or row.spec.liveness is not None
+
+
 class Prober:
-    """Supervises per-VM probe loops inside its own TaskGroup (no ownerless tasks)."""
+    """Probes every running VM, inside its own TaskGroup (no ownerless tasks).
+
+    A VM whose spec has a readiness or liveness probe gets a loop of its own (its own period,
+    thresholds and delay). Every other VM is *swept*: each ``interval`` it is queued once, and
+    ``SWEEP_WORKERS`` long-lived tasks probe the queue through the runtime. A sweep costs one timer
+    per probe (its timeout) instead of a task wake-up, a sleep's timer and a timeout's timer per VM,
+    which is what a host with thousands of VMs spent most of its idle time on."""
 
     def __init__(self, ledger: Ledger, driver: RuntimeDriver, host: str, publish: Publish, *,
                  interval: float, timeout: float, on_liveness_failure: LivenessFailed | None = None) -> None:
@@ -112,6 +137,8 @@ class Prober:
         self.on_liveness_failure = on_liveness_failure
         self._kick = asyncio.Event()
         self._tasks: dict[str, asyncio.Task[None]] = {}  # the one current loop per VM (a replaced one ends itself)
+        self._swept: dict[str, _Swept] = {}  # the VMs the sweep probes
+        self._due: asyncio.Queue[str] = asyncio.Queue()  # swept VMs to probe now, each at most once
         self._touched: set[str] = set()
         self._probed: dict[str, tuple[Fence, bool]] = {}  # vm_id -> its last readiness, and the fence
 
@@ -122,7 +149,7 @@ class Prober:
         return got[1] if got is not None and got[0] == fence else None
 
     def kick(self, vm_id: str | None = None) -> None:
-        """The ledger changed for ``vm_id`` (a command finished): start/stop its loop now, not at
+        """The ledger changed for ``vm_id`` (a command finished): start/stop its probing now, not at
         the next full sweep. Only that VM is looked at, so a bring-up of N VMs costs O(N)."""
         if vm_id is not None:
             self._touched.add(vm_id)
@@ -134,11 +161,17 @@ class Prober:
         task = self._tasks.pop(vm_id, None)
         if task is not None:
             task.cancel()
+        swept = self._swept.get(vm_id)
+        if swept is not None:
+            swept.gen += 1
+            swept.reported = None
+            self._queue(vm_id, swept, fresh=True)
         self.kick(vm_id)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         async with asyncio.TaskGroup() as tg:
+            workers = [tg.create_task(self._sweeper(), name=f"probe-sweep-{i}") for i in range(SWEEP_WORKERS)]
             try:
                 next_sweep = 0.0
                 while True:
@@ -155,33 +188,103 @@ class Prober:
                     except TimeoutError:
                         pass
             finally:  # each ended for sure: a TaskGroup cancels only once, and waits for all
-                await cancel_and_wait(list(self._tasks.values()), what="probe loop")
+                await cancel_and_wait([*self._tasks.values(), *workers], what="probe loop")
 
     def _sync_one(self, tg: asyncio.TaskGroup, vm_id: str) -> None:
         row = self.ledger.vm(vm_id)
+        probed = row is not None and row.state in PROBED_STATES
+        self._place(tg, vm_id, probed=probed, own=probed and row is not None and _own_probe(row))
+
+    def _sync(self, tg: asyncio.TaskGroup) -> None:
+        """Every VM in its place, and every swept VM queued: one round of the sweep."""
+        probed = {r.vm_id: _own_probe(r) for r in self.ledger.vms() if r.state in PROBED_STATES}
+        for vm_id in (self._tasks.keys() | self._swept.keys()) - probed.keys():
+            self._place(tg, vm_id, probed=False, own=False)
+        for vm_id, own in probed.items():
+            self._place(tg, vm_id, probed=True, own=own)
+
+    def _place(self, tg: asyncio.TaskGroup, vm_id: str, *, probed: bool, own: bool) -> None:
+        """A probed VM with a probe of its ``own`` gets a loop; any other probed VM is swept, and
+        queued for its next probe; a VM not probed has neither, nor a readiness to repeat."""
         task = self._tasks.get(vm_id)
-        wanted = row is not None and row.state in PROBED_STATES
-        if task is not None and (task.done() or not wanted):
+        if task is not None and (task.done() or not (probed and own)):
             task.cancel()
             del self._tasks[vm_id]
             task = None
-        if wanted and task is None:
+        if probed and own and task is None:
             self._tasks[vm_id] = tg.create_task(self._loop(vm_id), name=f"probe-{vm_id}")
+        if probed and not own:
+            self._queue(vm_id, self._swept.setdefault(vm_id, _Swept()))
+        else:
+            self._swept.pop(vm_id, None)
+        if not probed:
+            self._probed.pop(vm_id, None)
 
-    def _sync(self, tg: asyncio.TaskGroup) -> None:
-        want = {r.vm_id for r in self.ledger.vms() if r.state in PROBED_STATES}
-        for vm_id, task in list(self._tasks.items()):
-            if task.done() or vm_id not in want:
-                task.cancel()
-                del self._tasks[vm_id]
-        for vm_id in want - self._tasks.keys():
-            self._tasks[vm_id] = tg.create_task(self._loop(vm_id), name=f"probe-{vm_id}")
+    def _queue(self, vm_id: str, swept: _Swept, *, fresh: bool = False) -> None:
+        """Queue a swept VM, unless it is queued or being probed (``fresh``: of its past)."""
+        if not swept.queued and (fresh or not swept.probing):
+            swept.queued = True
+            self._due.put_nowait(vm_id)
+
+    async def _sweeper(self) -> None:
+        """One of the sweep's workers: probes queued VMs one at a time, for ever."""
+        while True:
+            vm_id = await self._due.get()
+            swept = self._swept.get(vm_id)
+            if swept is not None:
+                swept.queued = False
+                swept.probing += 1
+                try:
+                    await self._sweep_one(vm_id, swept)
+                finally:
+                    swept.probing -= 1
+
+    async def _sweep_one(self, vm_id: str, swept: _Swept) -> None:
+        row = self.ledger.vm(vm_id)
+        if row is None or row.state not in PROBED_STATES:
+            return  # the next sync forgets it
+        fence, gen = row.fence, swept.gen  # the fence this probe runs under
+        ready = await self._runtime_probe(vm_id, fence)
+        if self._swept.get(vm_id) is not swept or swept.gen != gen:
+            return  # restarted, or no longer swept, while it was probed: a result of the VM's past
+        reported = await self._report(vm_id, fence, ready, swept.reported)
+        if swept.gen == gen:
+            swept.reported = reported
+
+    async def _runtime_probe(self, vm_id: str, fence: Fence) -> bool:
+        """The runtime's own probe, within ``timeout``; whatever fails is not ready."""
+        try:
+            # asyncio.timeout, not wait_for: no task per probe (one probe per VM per interval
+            # is the agent's largest cost that grows with its VMs)
+            async with asyncio.timeout(self.timeout):
+                return await self.driver.probe(vm_id)
+        except (RuntimeFailure, Inconclusive, TimeoutError) as e:
+            log.debug("probe failed: %s", e, extra=fence_fields(fence, vm_id))
+            return False
+
+    async def _report(self, vm_id: str, fence: Fence, ready: bool,
+                      reported: tuple[Fence, bool] | None) -> tuple[Fence, bool] | None:
+        """Publish ``ready`` under ``fence`` if it is not what was ``reported`` and the fence still
+        owns the VM, checked right before publishing; returns what is reported now."""
+        if self.ledger.owner(vm_id) != fence:
+            log.info("probe result dropped: its fence was superseded",
+                     extra=fence_fields(fence, vm_id, event="probe_superseded"))
+            return reported
+        if reported == (fence, ready):
+            return reported
+        self._probed[vm_id] = (fence, ready)
+        try:
+            await self.publish(ProbeChanged(fence=fence, host=self.host, vm_id=vm_id, ready=ready))
+        except Exception as e:  # the next round retries
+            log.warning("probe change not published: %r", e, extra=fence_fields(fence, vm_id))
+            return reported
+        return (fence, ready)
 
     async def _loop(self, vm_id: str) -> None:
-        """Probe until the VM stops being probed or this loop is replaced. A replaced loop was
-        cancelled, but on Python 3.11 a cancel racing a publish's answer can be swallowed (see
-        shared.tasks): it then ends here, rather than probe on beside its successor."""
-        last: dict[Fence, bool] = {}
+        """Probe a VM with a probe of its own until it stops being probed or this loop is replaced.
+        A replaced loop was cancelled, but on Python 3.11 a cancel racing a publish's answer can be
+        swallowed (see shared.tasks): it then ends here, rather than probe on beside its successor."""
+        reported: tuple[Fence, bool] | None = None
         loop = asyncio.get_running_loop()
         started = loop.time()  # the loop starts with the VM's run (restart() replaces it)
         streaks: dict[tuple[Fence, Probe], Streak] = {}
@@ -206,28 +309,10 @@ class Prober:
                         (fence, readiness), Streak(readiness.success_threshold, readiness.failure_threshold, False))
                     ready, delay = streak.add(await check(readiness, row.ip)), float(readiness.period_s)
             else:
-                delay = self.interval
-                try:
-                    # asyncio.timeout, not wait_for: no task per probe (one probe per VM per interval
-                    # is the agent's largest cost that grows with its VMs)
-                    async with asyncio.timeout(self.timeout):
-                        ready = await self.driver.probe(vm_id)
-                except (RuntimeFailure, Inconclusive, TimeoutError) as e:
-                    log.debug("probe failed: %s", e, extra=fence_fields(fence, vm_id))
-                    ready = False
+                ready, delay = await self._runtime_probe(vm_id, fence), self.interval
             if liveness is not None and row.ip:
                 delay = min(delay, max(0.0, next_live - loop.time()) or liveness.period_s)
-            # right before publishing: is this probe's fence still the owner?
-            if self.ledger.owner(vm_id) != fence:
-                log.info("probe result dropped: its fence was superseded",
-                         extra=fence_fields(fence, vm_id, event="probe_superseded"))
-            elif last.get(fence) != ready:
-                self._probed[vm_id] = (fence, ready)
-                try:
-                    await self.publish(ProbeChanged(fence=fence, host=self.host, vm_id=vm_id, ready=ready))
-                    last[fence] = ready
-                except Exception as e:  # the next round retries
-                    log.warning("probe change not published: %r", e, extra=fence_fields(fence, vm_id))
+            reported = await self._report(vm_id, fence, ready, reported)
             await asyncio.sleep(delay)
 
     async def _live(self, vm_id: str, fence: Fence, probe: Probe, ip: str,

@@ -53,6 +53,7 @@ OPS = ("create", "start", "stop", "remove", "inspect", "list", "snapshot", "rest
 
 
 HISTORY_LIMIT = 10_000  # operations kept for tests and oracles
+HISTORY_SLACK = 1_000  # ...and at most this many more, so a trim moves the list once per this many ops
 READ_ONLY_OPS = frozenset({"probe", "inspect", "list"})
 
 class AgentCrash(Exception):
@@ -340,11 +341,11 @@ class SimDriver:
             raise AgentCrash(f"injected agent crash after {op} {vm_id}")
 
     def _record(self, op: str, vm_id: str | None, labels: dict[str, str] | None, outcome: str) -> None:
-        """History is the oracle's; it is bounded (HISTORY_LIMIT) and reads do not rewrite the
+        """History is the oracle's; it is bounded (HISTORY_LIMIT, HISTORY_SLACK) and reads do not rewrite the
         host file (a probe per VM per second would otherwise make every save slower than the last)."""
         self._host.history.append(SimOp(op, vm_id, dict(labels or {}), outcome))
         self._unjournaled = min(self._unjournaled + 1, HISTORY_LIMIT)
-        if len(self._host.history) > HISTORY_LIMIT:
+        if len(self._host.history) > HISTORY_LIMIT + HISTORY_SLACK:  # trimmed in steps: O(1) per op
             del self._host.history[: len(self._host.history) - HISTORY_LIMIT]
         if op not in READ_ONLY_OPS:
             self._save(vm_id)
