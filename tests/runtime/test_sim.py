@@ -230,3 +230,34 @@ async def test_list_labelled_is_the_filtered_list(tmp_path: Path) -> None:
             i for i in everything if i.labels["vmfence.io/key"] == key]
     assert [i.vm_id for i in await d.list_labelled("vmfence.io/key", "ns/a")] == ["vm-0", "vm-2", "vm-4"]
     await d.close()
+
+
+def text(path: Path) -> str:
+    return path.read_text()
+
+
+def exists(path: Path) -> bool:
+    return path.exists()
+
+
+async def test_a_console_is_written_when_first_asked_for_with_the_run_before(tmp_path: Path) -> None:
+    """No file per boot (an inode each); ``serial_log`` writes the console and the previous run's
+    from the record, and once asked for, each boot writes them at once (a follower sees it)."""
+    d = SimDriver(state_dir=str(tmp_path), seed=1)
+    await d.open()
+    try:
+        await d.create(VMSpec(vm_id="v1"))
+        assert not exists(tmp_path / "console"), "a boot wrote a console nobody asked for"
+        d.crash_vm("v1")
+        await d.start("v1")  # the second run, its console still unread
+        path = Path(d.serial_log("v1"))
+        previous = Path(str(path) + ".previous")
+        assert "booting v1 (pid 1000," in text(previous)
+        assert text(path).startswith("sim: booting v1 (pid 1001,") and "VMFENCE-READY" in text(path)
+        d.crash_vm("v1")
+        await d.start("v1")  # asked for before: this boot writes at once
+        assert "(pid 1001," in text(previous) and "(pid 1002," in text(path)
+        await d.remove("v1")
+        assert not exists(path) and not exists(previous)
+    finally:
+        await d.close()

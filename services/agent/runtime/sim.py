@@ -170,6 +170,14 @@ class _SimVM(msgspec.Struct):
     memory_token: str = ""
     vnc_password: str | None = None
     ready: bool = True
+    run_pid: int | None = None  # this run's pid, kept after it exits (its console names it)
+    previous_pid: int | None = None  # the run before this one's (its console is ``.previous``)
+
+
+def _write_console(path: str, spec: VMSpec, pid: int | None) -> None:
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(f"sim: booting {spec.vm_id} (pid {pid}, {spec.cpus} cpu, {spec.memory_mib} MiB)\n"
+                f"VMFENCE-READY sim\n")
 
 
 class _HostRecord(msgspec.Struct):
@@ -381,28 +389,38 @@ class SimDriver:
 
     # ------------------------------------------------------------------ console
     def serial_log(self, vm_id: str) -> str:
-        """Where the VM's console is written (as the qemu driver's serial.log): a few lines per boot."""
-        return os.path.join(self.state_dir or ".", "console", f"{vm_id}.log")
+        """Where the VM's console is (as the qemu driver's serial.log): a few lines per boot. The
+        files are written when first asked for; from then on each boot writes them at once."""
+        path = os.path.join(self.state_dir or ".", "console", f"{vm_id}.log")
+        vm = self._host.vms.get(vm_id)
+        if vm is not None and self.state_dir and not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            if vm.previous_pid is not None:
+                _write_console(path + ".previous", vm.spec, vm.previous_pid)
+            _write_console(path, vm.spec, vm.run_pid)
+        return path
 
     def _console_boot(self, spec: VMSpec, pid: int) -> None:
-        """A boot's console: the previous boot's moved to ``.previous`` (``kubectl logs --previous``)."""
+        """A boot's console, if the VM's was asked for: the previous boot's moved to ``.previous``
+        (``kubectl logs --previous``), so a reader that follows it sees the boot. Otherwise nothing:
+        a file per boot cost the sim an inode each (about 250 µs of ext4's time after much churn),
+        for consoles few read; ``serial_log`` writes them from the record when asked."""
         if not self.state_dir:
             return
-        path = self.serial_log(spec.vm_id)
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        path = os.path.join(self.state_dir, "console", f"{spec.vm_id}.log")
         if os.path.exists(path):
             os.replace(path, path + ".previous")
-        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            f.write(f"sim: booting {spec.vm_id} (pid {pid}, {spec.cpus} cpu, {spec.memory_mib} MiB)\n"
-                    f"VMFENCE-READY sim\n")
+            _write_console(path, spec, pid)
 
     def _console_drop(self, vm_id: str) -> None:
         if self.state_dir:
-            for p in (self.serial_log(vm_id), self.serial_log(vm_id) + ".previous"):
+            path = os.path.join(self.state_dir, "console", f"{vm_id}.log")
+            for p in (path, path + ".previous"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(p)
 
-    def _boot(self, spec: VMSpec, token: str | None = None) -> _SimVM:
+    def _boot(self, spec: VMSpec, token: str | None = None, before: _SimVM | None = None) -> _SimVM:
+        """A new run of ``spec``'s VM; ``before``: its previous run, whose console becomes ``.previous``."""
         pid = self._host.next_pid
         self._host.next_pid += 1
         self._console_boot(spec, pid)
@@ -421,6 +439,8 @@ class SimDriver:
             vnc_password=password,
             probe_host_port=port,
             memory_token=memory_token,
+            run_pid=pid,
+            previous_pid=before.run_pid if before is not None else None,
         )
 
     # ------------------------------------------------------------------ driver interface
@@ -474,7 +494,7 @@ class SimDriver:
             self._record("start", vm_id, None, "failed")
             raise RuntimeFailure(f"start {vm_id}: no such VM")
         if vm.state == "exited":
-            fresh = self._boot(vm.spec, token=None)
+            fresh = self._boot(vm.spec, token=None, before=vm)
             if vm.vnc_display is not None:  # a restart in place keeps its display and its password
                 if fresh.vnc_display is not None:
                     self._displays.release(fresh.vnc_display, self._owner(vm.spec))
@@ -576,7 +596,7 @@ class SimDriver:
             raise RuntimeFailure(f"restore {spec.vm_id}: no snapshot at {src}")
         if existing is not None and existing.vnc_display is not None:
             self._displays.release(existing.vnc_display, self._owner(existing.spec))
-        vm = self._boot(spec, token=snap.memory_token)
+        vm = self._boot(spec, token=snap.memory_token, before=existing)
         self._host.vms[spec.vm_id] = vm
         self._know(spec.vm_id)
         self._exit("restore", spec.vm_id, spec.labels)
