@@ -205,20 +205,22 @@ async def _run_decisions(keys: int, partitions: int) -> dict[str, object]:
             f"from services.testbed.bench.command import fake_agents_main; "
             f"fake_agents_main({server.url!r}, {partitions})",
         )
-        async with asyncio.TaskGroup() as tg:
-            rec_task = tg.create_task(rec.run())
-            await asyncio.wait_for(rec.ready.wait(), 30)
-            await until_hosts_live(rec)
-            start = time.perf_counter()
-            await publish_pod_observations(bus.js, subjects, pods, range(keys), 30)
-            await until_keys_idle(rec, keys, time.monotonic() + max(120.0, keys / 50))
-            seconds = time.perf_counter() - start
-            decisions = sum(p.stats["decisions"] for p in rec.partitions.values())
-            entries = sum(p.stats["entries"] for p in rec.partitions.values())
-            rec.stop()
-            await rec_task
-        agents.terminate()
-        await agents.wait()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                rec_task = tg.create_task(rec.run())
+                await asyncio.wait_for(rec.ready.wait(), 30)
+                await until_hosts_live(rec)
+                start = time.perf_counter()
+                await publish_pod_observations(bus.js, subjects, pods, range(keys), 30)
+                await until_keys_idle(rec, keys, time.monotonic() + max(120.0, keys / 50))
+                seconds = time.perf_counter() - start
+                decisions = sum(p.stats["decisions"] for p in rec.partitions.values())
+                entries = sum(p.stats["entries"] for p in rec.partitions.values())
+                rec.stop()
+                await rec_task
+        finally:  # a run that failed (a timeout on a busy machine) leaves no agents process behind
+            agents.terminate()
+            await agents.wait()
         await bus.close()
     finally:
         await server.stop()
