@@ -14,17 +14,19 @@ from prometheus_client.registry import Collector
 
 from shared.fence.drift import DriftKind
 
+Metric = typing.TypeVar("Metric", Counter, Histogram)
 
-class Labelled:
+
+class Labelled(typing.Generic[Metric]):
     """A labelled metric whose children are looked up once per label values: prometheus_client's
     ``labels()`` validates and takes a lock on every call (about 2 µs), and the write path calls it
-    for every input and every decision. Anything else is the metric's own."""
+    for every input, every decision and every effect. Anything else is the metric's own."""
 
-    def __init__(self, metric: Counter) -> None:
-        self.metric = metric
-        self._children: dict[tuple[str, ...], Counter] = {}
+    def __init__(self, metric: Metric) -> None:
+        self.metric: Metric = metric
+        self._children: dict[tuple[str, ...], Metric] = {}
 
-    def labels(self, *values: str) -> Counter:
+    def labels(self, *values: str) -> Metric:
         child = self._children.get(values)
         if child is None:
             child = self._children[values] = self.metric.labels(*values)
@@ -50,13 +52,13 @@ LOST_RACES = Counter("vmfence_append_lost_races_total", "Appends that lost the e
 PARTITIONS_OWNED = Gauge("vmfence_partitions_owned", "Partitions this reconciler holds", ["reconciler"])
 LEASE_LOST = Counter("vmfence_lease_lost_total", "Partition leases lost while held", ["reconciler"])
 DEAD_LETTERS = Counter("vmfence_dead_letters_total", "Messages parked in the DLQ", ["reason"])
-EFFECT_SECONDS = Histogram(
+EFFECT_SECONDS = Labelled(Histogram(
     "vmfence_effect_seconds",
     "Time to carry out one effect",
     ["kind"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
-)
-K8S_WRITES = Counter("vmfence_k8s_writes_total", "Kubernetes writes by outcome", ["verb", "result"])
+))
+K8S_WRITES = Labelled(Counter("vmfence_k8s_writes_total", "Kubernetes writes by outcome", ["verb", "result"]))
 CONSUMER_PENDING = Gauge("vmfence_consumer_pending", "Unprocessed inputs per partition", ["partition"])
 AUDIT_VIOLATIONS = Counter("vmfence_audit_violations_total", "Violations found by audits in this process")
 DRIFT_CHECKS = Counter(
