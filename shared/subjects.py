@@ -37,6 +37,10 @@ class Subjects:
         return f"{self.prefix.upper()}_DLQ"
 
     @property
+    def stream_images(self) -> str:
+        return f"{self.prefix.upper()}_IMAGES"
+
+    @property
     def kv_leases(self) -> str:
         return f"{self.prefix}_leases"
 
@@ -154,3 +158,11 @@ class Subjects:
     @property
     def dlq_all(self) -> str:
         return f"{self.prefix}.dlq.>"
+
+    # partition images (services/reconciler/images.py): the latest of each partition
+    def image(self, p: int) -> str:
+        return f"{self.prefix}.image.{p}"
+
+    @property
+    def images_all(self) -> str:
+        return f"{self.prefix}.image.>"

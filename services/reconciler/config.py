@@ -32,6 +32,9 @@ class ReconcilerConfig(ServiceSettings, KubeSettings):
     effect_workers: int = 64
     snapshot_interval_s: float = setting(2.0, "seconds between partition snapshots", flag="--snapshot-interval",
                                          lo=0.05)
+    image_interval_s: float = setting(
+        30.0, "seconds between the partition images put on the bus for whoever takes a partition next (one is "
+        "also put at each hand-over); 0 = at hand-overs only", flag="--image-interval", lo=0.0)
     host_stale_s: float = setting(15.0, "heartbeat age (s) after which a host counts as dead", flag="--host-stale",
                                   lo=1.0)
     restart_backoff_base_s: float = setting(10.0, "first VM restart delay (s)", flag="--restart-backoff", lo=0.0)

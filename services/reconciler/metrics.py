@@ -58,6 +58,11 @@ EFFECT_SECONDS = Labelled(Histogram(
     ["kind"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 ))
+PARTITION_IMAGES = Labelled(Counter(
+    "vmfence_partition_images_total",
+    "Partition images on the bus: put, too_large (not put), read, used (further along than the snapshot), refused",
+    ["result"],
+))
 K8S_WRITES = Labelled(Counter("vmfence_k8s_writes_total", "Kubernetes writes by outcome", ["verb", "result"]))
 CONSUMER_PENDING = Gauge("vmfence_consumer_pending", "Unprocessed inputs per partition", ["partition"])
 AUDIT_VIOLATIONS = Counter("vmfence_audit_violations_total", "Violations found by audits in this process")

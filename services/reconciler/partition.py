@@ -23,6 +23,7 @@ from nats.js import JetStreamContext, api
 from services.reconciler import metrics
 from services.reconciler.effects import EffectRunner
 from services.reconciler.entries import KeyWriter, input_kind, key_of, lost_folded
+from services.reconciler.images import ImageStore
 from services.reconciler.inventory import InventoryIndex
 from services.reconciler.keytable import KeySlot
 from services.reconciler.snapshot import SnapshotStore
@@ -99,6 +100,7 @@ class Partition(KeyWriter, PartitionVerifier):
         effects: EffectRunner,
         snapshots: SnapshotStore | None,
         env: Callable[[], DecideEnv],
+        images: ImageStore | None = None,
         on_placed: Callable[[str, int, int], None] = lambda host, cpus, mib: None,
         confirm: Callable[[Key, str], Awaitable[ConfirmedRead]] | None = None,
         ack_wait_s: float = 10.0,
@@ -132,6 +134,7 @@ class Partition(KeyWriter, PartitionVerifier):
         self.writer = writer
         self.effects = effects
         self.snapshots = snapshots
+        self.images = images
         self.env = env
         self.on_placed = on_placed
         self.confirm = confirm
@@ -245,12 +248,20 @@ class Partition(KeyWriter, PartitionVerifier):
         lost its tail, e.g. restored from an older copy) or whose positions the log fills with other
         entries is re-read from the log, and rebuilt if the log does not account for what it saw."""
         watermark = 0
+        rows: dict[str, tuple[KeyState, int]] = {}
         unbacked: dict[str, KeyState] = {}  # rows the log does not back, with what they had seen
         if self.snapshots is not None:
             watermark, rows = await self.snapshots.load_partition(self.p)
-            for key, (state, seq) in rows.items():
-                self.keys[key] = KeySlot(state, seq)
-                self._max_seen = max(self._max_seen, seq)
+        if self.images is not None:
+            image = await self.images.get(self.p)
+            if image is not None and image[0] > watermark:  # another writer's, further along than ours
+                watermark, rows = image
+                self.stats["from_image"] = 1
+                metrics.PARTITION_IMAGES.labels("used").inc()
+        for key, (state, seq) in rows.items():
+            self.keys[key] = KeySlot(state, seq)
+            self._max_seen = max(self._max_seen, seq)
+        if rows:
             for key in await self._rows_ahead_of_log(rows):
                 unbacked[key] = self.keys[key].state
         self._max_seen = max(self._max_seen, watermark)
@@ -690,15 +701,29 @@ class Partition(KeyWriter, PartitionVerifier):
         await msg.ack()
 
     # ------------------------------------------------------------------------ snapshots
+    def _watermark(self) -> int:
+        """A sequence below which every entry of this partition is folded into the rows."""
+        return min(self._inflight_floors) if self._inflight_floors else self._max_seen
+
     def snapshot_rows(self) -> tuple[list[tuple[str, int, bytes]], int]:
         """Dirty rows and a watermark below which every entry of this partition is in them."""
-        watermark = min(self._inflight_floors) if self._inflight_floors else self._max_seen
+        watermark = self._watermark()
         rows: list[tuple[str, int, bytes]] = []
         for key, slot in self.keys.items():
             if slot.dirty:
                 rows.append((key, slot.last_seq, slot.encoded()))
                 slot.dirty = False
         return rows, watermark
+
+    async def put_image(self) -> None:
+        """Every row, at one instant with its watermark, as this partition's image on the bus
+        (``images.py``): what its next owner loads instead of the log since its own snapshot."""
+        if self.images is None or not self._loaded:
+            return
+        watermark = self._watermark()
+        if watermark:
+            rows = [(key, slot.last_seq, slot.encoded()) for key, slot in self.keys.items()]
+            await self.images.put(self.p, rows, watermark)
 
     async def flush(self) -> None:
         if self.snapshots is None:

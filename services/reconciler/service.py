@@ -28,6 +28,7 @@ from services.reconciler import metrics
 from services.reconciler.config import ReconcilerConfig
 from services.reconciler.effects import EffectRunner
 from services.reconciler.hosts import HostsView
+from services.reconciler.images import ImageStore
 from services.reconciler.kube import KubeGateway
 from services.reconciler.partition import Partition
 from services.reconciler.snapshot import SnapshotStore
@@ -94,6 +95,7 @@ class Reconciler:
         self.health: HealthServer | None = None
         self.effects: EffectRunner | None = None
         self.snapshots: SnapshotStore | None = None
+        self.images: ImageStore | None = None
         self.drift_counts: dict[str, int] | None = None  # by kind, at the last drift check
         self.bind_unscheduled = cfg.bind_unscheduled != "off"  # "auto" is settled once the gateway is up
         metrics.DRIFT.watch(self)
@@ -142,6 +144,7 @@ class Reconciler:
             identity = f"{info.config.name}:{info.created}" if hasattr(info, "created") else info.config.name or ""
             self.snapshots = SnapshotStore(os.path.join(cfg.data_dir, f"snapshot-{self.safe_id()}.sqlite"))
             await self.snapshots.open(stream_identity=str(identity))
+            self.images = ImageStore(bus.js, self.subjects, stream_identity=str(identity), writer=self.writer)
             gateway = self._gateway or await _default_gateway(cfg, self._host_ip, self._host_network)
             self.bind_unscheduled = await _bind_unscheduled(cfg, gateway)
             log.info("pods without a nodeName: %s", "placed and bound by vmfence" if self.bind_unscheduled
@@ -333,7 +336,7 @@ class Reconciler:
         assert self.bus is not None and self.effects is not None
         part = Partition(
             p, js=self.bus.js, subjects=self.subjects, writer=self.writer, effects=self.effects,
-            snapshots=self.snapshots, env=self.env, on_placed=self.hosts.placed,
+            snapshots=self.snapshots, images=self.images, env=self.env, on_placed=self.hosts.placed,
             confirm=self.effects.gateway.confirm,
             ack_wait_s=self.cfg.ack_wait_s, max_ack_pending=self.cfg.max_ack_pending,
             fetch_batch=self.cfg.fetch_batch, gen=lease.revision or 0, done_linger_s=self.cfg.done_linger_s,
@@ -389,6 +392,8 @@ class Reconciler:
         if part is not None and release:
             with contextlib.suppress(Exception):
                 await part.flush()
+            with contextlib.suppress(Exception):  # for whoever takes it next (images.py)
+                await asyncio.wait_for(part.put_image(), RELEASE_FLUSH_S)
         if lease is not None and release:
             with contextlib.suppress(Exception):
                 await lease.release()
@@ -504,13 +509,21 @@ class Reconciler:
         return list(answer.vms) if answer.host == host else None
 
     async def _snapshot_loop(self) -> None:
+        """Snapshots every --snapshot-interval; images every --image-interval (0: at hand-overs only)."""
+        loop = asyncio.get_running_loop()
+        next_images = loop.time() + self.cfg.image_interval_s
         while True:
             await asyncio.sleep(self.cfg.snapshot_interval_s)
+            images = self.cfg.image_interval_s > 0 and loop.time() >= next_images
+            if images:
+                next_images = loop.time() + self.cfg.image_interval_s
             for part in list(self.partitions.values()):
                 try:
                     await part.flush()
+                    if images:
+                        await part.put_image()
                 except Exception as exc:
-                    log.warning("snapshot failed: %r", exc, extra={"partition": part.p})
+                    log.warning("snapshot or image failed: %r", exc, extra={"partition": part.p})
 
 
 async def _default_gateway(cfg: ReconcilerConfig, host_ip: Callable[[str], str | None],

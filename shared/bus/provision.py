@@ -33,13 +33,14 @@ MIB = 1024 * KIB
 GIB = 1024 * MIB
 
 # Byte bounds of each stream and bucket (one replica's store; R3 stores each on three servers).
-# Together 14.1 GiB: within the 20 GB max_file_store of deploy/nats (the server reserves them).
+# Together 14.3 GiB: within the 20 GB max_file_store of deploy/nats (the server reserves them).
 IN_MAX_BYTES = 4 * GIB  # a week of inputs at the default max age
 LOG_MAX_BYTES = 8 * GIB  # the audit log: at the bound appends are refused, never an entry dropped
 CMD_MAX_BYTES = 1 * GIB  # a work queue: only unacknowledged commands are stored
 DLQ_MAX_BYTES = 1 * GIB
 LEASES_MAX_BYTES = 16 * MIB  # one small value per partition (and the fleet lease)
 HOSTS_MAX_BYTES = 64 * MIB  # one heartbeat per host
+IMAGES_MAX_BYTES = 256 * MIB  # the latest image of each partition (compressed; at most its message bound)
 # Per-message bounds: none below what its writers may legitimately send (an over-size publish is
 # refused at every attempt). 1 MiB is deploy/nats's max_payload; the schema's own bounds
 # (shared/fence/schema.py MAX_*_BYTES) sit below these and are checked before a publish.
@@ -49,6 +50,7 @@ CMD_MAX_MSG_BYTES = 256 * KIB
 DLQ_MAX_MSG_BYTES = 1 * MIB
 LEASES_MAX_MSG_BYTES = 4 * KIB
 HOSTS_MAX_MSG_BYTES = 64 * KIB
+IMAGES_MAX_MSG_BYTES = 1 * MIB  # a larger image is not put: the next owner reads the log instead
 DLQ_MAX_MSGS_PER_SOURCE = 100_000  # dead letters kept per <prefix>.dlq.<source> (oldest go first)
 
 
@@ -85,6 +87,8 @@ class StreamsConfig(msgspec.Struct, frozen=True, kw_only=True):
     dlq_max_msg_bytes: int = DLQ_MAX_MSG_BYTES
     leases_max_msg_bytes: int = LEASES_MAX_MSG_BYTES
     hosts_max_msg_bytes: int = HOSTS_MAX_MSG_BYTES
+    images_max_bytes: int = IMAGES_MAX_BYTES
+    images_max_msg_bytes: int = IMAGES_MAX_MSG_BYTES
     dlq_max_msgs_per_source: int = DLQ_MAX_MSGS_PER_SOURCE
 
     def __post_init__(self) -> None:
@@ -153,6 +157,23 @@ def stream_configs(subjects: Subjects, cfg: StreamsConfig) -> list[api.StreamCon
             **common,  # type: ignore[arg-type]
         ),
     ]
+
+
+def images_stream_config(subjects: Subjects, cfg: StreamsConfig) -> api.StreamConfig:
+    """Partition images: the latest per partition (one message per subject, the older one dropped
+    when a newer is stored), bounded per image; losing one only costs its next owner catch-up time."""
+    return api.StreamConfig(
+        name=subjects.stream_images,
+        subjects=[subjects.images_all],
+        retention=api.RetentionPolicy.LIMITS,
+        max_msgs_per_subject=1,
+        max_bytes=cfg.images_max_bytes,
+        max_msg_size=cfg.images_max_msg_bytes,
+        discard=api.DiscardPolicy.OLD,
+        allow_direct=True,
+        storage=_storage(cfg),
+        num_replicas=cfg.replicas,
+    )
 
 
 def kv_stream_config(
@@ -237,3 +258,4 @@ async def provision(js: JetStreamContext, subjects: Subjects, cfg: StreamsConfig
                              max_msg_bytes=cfg.hosts_max_msg_bytes)
     await _ensure_stream_retrying(js, leases, None)
     await _ensure_stream_retrying(js, hosts, None)
+    await _ensure_stream_retrying(js, images_stream_config(subjects, cfg), None)

@@ -38,6 +38,8 @@ async def test_creates_streams_and_buckets(js: JetStreamContext) -> None:
     assert status.ttl == pytest.approx(10) and status.history == 1
     hosts = await js.key_value(s.kv_hosts)
     assert (await hosts.status()).ttl == pytest.approx(15)
+    images = await js.stream_info(s.stream_images)
+    assert images.config.subjects == ["vmfence.image.>"] and images.config.max_msgs_per_subject == 1
 
 
 async def test_idempotent_and_updates(js: JetStreamContext) -> None:

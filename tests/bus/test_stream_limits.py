@@ -28,6 +28,7 @@ async def test_every_stream_and_bucket_has_its_named_byte_and_message_bounds(js:
         s.stream_dlq: (p.DLQ_MAX_BYTES, p.DLQ_MAX_MSG_BYTES, api.DiscardPolicy.OLD),
         f"KV_{s.kv_leases}": (p.LEASES_MAX_BYTES, p.LEASES_MAX_MSG_BYTES, api.DiscardPolicy.NEW),
         f"KV_{s.kv_hosts}": (p.HOSTS_MAX_BYTES, p.HOSTS_MAX_MSG_BYTES, api.DiscardPolicy.NEW),
+        s.stream_images: (p.IMAGES_MAX_BYTES, p.IMAGES_MAX_MSG_BYTES, api.DiscardPolicy.OLD),
     }
     for name, (max_bytes, max_msg, discard) in want.items():
         cfg = (await js.stream_info(name)).config
@@ -43,7 +44,7 @@ async def test_configured_bounds_and_an_over_size_publish_is_refused_everywhere(
     s = Subjects()
     cfg = StreamsConfig(in_max_msg_bytes=SMALL, log_max_msg_bytes=SMALL, cmd_max_msg_bytes=SMALL,
                         dlq_max_msg_bytes=SMALL, hosts_max_msg_bytes=SMALL, leases_max_msg_bytes=SMALL,
-                        in_max_bytes=64 * SMALL)
+                        images_max_msg_bytes=SMALL, in_max_bytes=64 * SMALL)
     await provision(js, s, cfg)
     assert (await js.stream_info(s.stream_in)).config.max_bytes == 64 * SMALL
     subjects = {
@@ -53,6 +54,7 @@ async def test_configured_bounds_and_an_over_size_publish_is_refused_everywhere(
         s.stream_dlq: s.dlq("agent"),
         f"KV_{s.kv_hosts}": f"$KV.{s.kv_hosts}.host-a",
         f"KV_{s.kv_leases}": f"$KV.{s.kv_leases}.p0",
+        s.stream_images: s.image(0),
     }
     for stream, subject in subjects.items():
         ack = await js.publish(subject, b"x" * (SMALL // 2), timeout=5)

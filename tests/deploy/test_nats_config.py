@@ -409,6 +409,36 @@ async def test_reconciler_appends_commands_and_consumes_inputs(nats_url: str) ->
         await rec.nc.close()
 
 
+async def test_partition_images_are_the_reconcilers_alone(nats_url: str) -> None:
+    """A reconciler puts and reads partition images (services/reconciler/images.py); no other user
+    may write one (a forged image would be loaded as a partition's state) or read one."""
+    from services.reconciler.images import ImageStore
+    from shared.fence.state import KeyState, encode_state
+    from shared.subjects import Subjects
+
+    subjects = Subjects()
+    key = "default/img-0"
+    p = subjects.partition(key)
+    rec = await connect(nats_url, "reconciler")
+    try:
+        store = ImageStore(rec.nc.jetstream(timeout=2), subjects, stream_identity="s", writer="r1")
+        assert await store.put(p, [(key, 7, encode_state(KeyState(key=key)))], 9)
+        got = await store.get(p)
+        assert got is not None and got[0] == 9 and got[1][key][1] == 7
+        assert not rec.violations(), rec.errors
+    finally:
+        await rec.nc.close()
+    for user in ("agent-host-a", "watcher", "audit"):
+        other = await connect(nats_url, user)
+        try:
+            for subject in (subjects.image(p), "$JS.API.STREAM.MSG.GET.VMFENCE_IMAGES"):
+                await other.nc.publish(subject, b"forged")
+                await other.nc.flush()
+                await other.wait_violation(subject)
+        finally:
+            await other.nc.close()
+
+
 async def test_audit_reads_the_log_but_writes_nothing(nats_url: str) -> None:
     audit = await connect(nats_url, "audit")
     try:
