@@ -63,6 +63,11 @@ PARTITION_IMAGES = Labelled(Counter(
     "Partition images on the bus: put, too_large (not put), read, used (further along than the snapshot), refused",
     ["result"],
 ))
+PARTITION_LOAD_ENTRIES = Labelled(Counter(
+    "vmfence_partition_load_entries_total",
+    "Log entries folded when taking a partition, by what the load started from: image, snapshot or log",
+    ["source"],
+))
 K8S_WRITES = Labelled(Counter("vmfence_k8s_writes_total", "Kubernetes writes by outcome", ["verb", "result"]))
 CONSUMER_PENDING = Gauge("vmfence_consumer_pending", "Unprocessed inputs per partition", ["partition"])
 AUDIT_VIOLATIONS = Counter("vmfence_audit_violations_total", "Violations found by audits in this process")

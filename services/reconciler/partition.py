@@ -297,6 +297,8 @@ class Partition(KeyWriter, PartitionVerifier):
             self._max_seen = max(self._max_seen, msg.seq)
             caught += 1
         self.stats["caught_up"] = caught
+        source = "image" if self.stats["from_image"] else "snapshot" if watermark else "log"
+        metrics.PARTITION_LOAD_ENTRIES.labels(source).inc(caught)
         for key, known in unbacked.items():
             slot = self.keys[key]
             try:

@@ -66,6 +66,7 @@ APPEND_PY = "shared/bus/append.py"
 KUBE_PY = "services/reconciler/kube.py"
 LEDGER_PY = "services/agent/ledger.py"
 PARTITION_PY = "services/reconciler/partition.py"
+IMAGES_PY = "services/reconciler/images.py"
 ENTRIES_PY = "services/reconciler/entries.py"
 VERIFICATION_PY = "services/reconciler/verification.py"
 # the policy package shared/fence/decide/: one constant per module a mutant names
@@ -717,6 +718,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "                        raise\n",
         "rule 1: a failed fetch never cancels an input mid-append (an entry stored, never folded)",
         ("tests/reconciler/test_fencing.py",),
+    ),
+    Mutant(
+        "image-of-another-stream-loaded", IMAGES_PY,
+        "        if image.stream != self.stream_identity:\n",
+        "        if False:\n",
+        "rule 11: the outbox is re-derived from the state of this log; an image of another log (a "
+        "recreated bus) is never loaded as that state",
+        ("tests/reconciler/test_images.py",),
+    ),
+    Mutant(
+        "image-row-of-another-partition-loaded", IMAGES_PY,
+        "                if self.subjects.partition(Key.parse(key)) != p:\n",
+        "                if Key.parse(key) is None:\n",
+        "rule 1: a partition's writer holds only its own keys; an image row of another partition's "
+        "key is not loaded into it",
+        ("tests/reconciler/test_images.py",),
     ),
 )
 

@@ -446,6 +446,7 @@ class FleetBench:
                 half.set()
 
         t0 = time.time()
+        read_before = await _gauge(survivor.port, "vmfence_partition_load_entries_total")
         async with asyncio.TaskGroup() as tg:
             tg.create_task(_bounded(n, self.size["create_concurrency"], create))
             await half.wait()
@@ -455,11 +456,12 @@ class FleetBench:
             else:
                 await victim.stop()
             gone_s = time.time() - t_gone
-            taken_s = None
+            taken_s, read = None, None
             while taken_s is None and time.time() - t_gone < READY_S:
                 owned = await self.partitions_owned()
                 if owned.get(survivor.name) == PARTITIONS:
                     taken_s = round(time.time() - t_gone, 2)
+                    read = await _gauge(survivor.port, "vmfence_partition_load_entries_total") - read_before
                 else:
                     await asyncio.sleep(0.1)  # the leases' own rounds: a bounded poll
         t_run = await self.tracker.wait(lambda: all(nm in self.tracker.running_at for nm in names),  # type: ignore[union-attr]
@@ -474,6 +476,7 @@ class FleetBench:
             "to_running_s": round(t_run - t0, 3),
             "reconciler_gone_after_s": round(gone_s, 2),  # SIGTERM: its own shutdown, hand-back included
             "partitions_taken_over_s": taken_s,  # from the signal until the survivor held all of them
+            "log_entries_read_taking_over": read,  # folded at those loads: past the image or snapshot
             "rebalanced_s": balanced,
         }
 
