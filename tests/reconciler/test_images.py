@@ -159,7 +159,8 @@ other_key = next(k for k in (f"default/web-{i}" for i in range(100)) if SUBJECTS
     (encode_image(_image(rows=[(KEY, 5, encode_state(KeyState(key="default/else")))])), "another key's"),
     (encode_image(_image(rows=[(KEY, 5, b"\xc1")])), "row"),
     (encode_image(_image(rows=[("no-slash", 5, b"")])), "row"),
-])
+], ids=["garbage", "truncated", "not-msgpack", "newer-schema", "other-stream", "other-partition",
+        "row-of-another-partition", "row-of-another-key", "undecodable-state", "not-a-key"])
 def test_what_is_not_an_image_to_use_is_refused(data: bytes, why: str) -> None:
     with pytest.raises(ImageRefused, match=why):
         _rows(data)
