@@ -135,6 +135,7 @@ class Partition(KeyWriter, PartitionVerifier):
         self.effects = effects
         self.snapshots = snapshots
         self.images = images
+        self._snapshot_whole = False  # the next flush writes every row (the load came from an image)
         self.env = env
         self.on_placed = on_placed
         self.confirm = confirm
@@ -257,6 +258,7 @@ class Partition(KeyWriter, PartitionVerifier):
             if image is not None and image[0] > watermark:  # another writer's, further along than ours
                 watermark, rows = image
                 self.stats["from_image"] = 1
+                self._snapshot_whole = True  # our file holds none of these rows yet
                 metrics.PARTITION_IMAGES.labels("used").inc()
         for key, (state, seq) in rows.items():
             self.keys[key] = KeySlot(state, seq)
@@ -707,6 +709,10 @@ class Partition(KeyWriter, PartitionVerifier):
         """A sequence below which every entry of this partition is folded into the rows."""
         return min(self._inflight_floors) if self._inflight_floors else self._max_seen
 
+    def _all_rows(self) -> tuple[list[tuple[str, int, bytes]], int]:
+        """Every row, and the watermark, at one instant."""
+        return [(key, slot.last_seq, slot.encoded()) for key, slot in self.keys.items()], self._watermark()
+
     def snapshot_rows(self) -> tuple[list[tuple[str, int, bytes]], int]:
         """Dirty rows and a watermark below which every entry of this partition is in them."""
         watermark = self._watermark()
@@ -722,13 +728,19 @@ class Partition(KeyWriter, PartitionVerifier):
         (``images.py``): what its next owner loads instead of the log since its own snapshot."""
         if self.images is None or not self._loaded:
             return
-        watermark = self._watermark()
+        rows, watermark = self._all_rows()
         if watermark:
-            rows = [(key, slot.last_seq, slot.encoded()) for key, slot in self.keys.items()]
             await self.images.put(self.p, rows, watermark)
 
     async def flush(self) -> None:
         if self.snapshots is None:
+            return
+        if self._snapshot_whole:  # loaded from an image: every row, and none of an earlier tenure's
+            rows, watermark = self._all_rows()
+            for slot in self.keys.values():
+                slot.dirty = False
+            await self.snapshots.replace(self.p, rows, watermark)
+            self._snapshot_whole = False
             return
         rows, watermark = self.snapshot_rows()
         if rows or watermark:

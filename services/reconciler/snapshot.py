@@ -74,6 +74,12 @@ class SnapshotStore:
         )
         await self.db.commit()
 
+    async def replace(self, partition: int, rows: list[tuple[str, int, bytes]], watermark: int) -> None:
+        """The partition's rows are exactly ``rows`` from now on (a load from another writer's image:
+        rows this file kept from an earlier tenure must not outlive it)."""
+        await self.db.execute("DELETE FROM keys WHERE partition=?", (partition,))
+        await self.save(partition, rows, watermark)
+
     async def forget(self, key: str) -> None:
         """Drop one key's row: the next load reads that key from its log alone."""
         await self.db.execute("DELETE FROM keys WHERE key=?", (key,))

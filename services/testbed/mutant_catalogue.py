@@ -728,6 +728,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/reconciler/test_images.py",),
     ),
     Mutant(
+        "image-load-leaves-the-snapshot-partial", PARTITION_PY,
+        "                self._snapshot_whole = True  # our file holds none of these rows yet\n",
+        "                pass\n",
+        "rule 11: a restart re-derives the outbox from the whole state; a snapshot taken after a load "
+        "from an image holds every row, not only those that changed since",
+        ("tests/reconciler/test_images.py",),
+    ),
+    Mutant(
         "image-row-of-another-partition-loaded", IMAGES_PY,
         "                if self.subjects.partition(Key.parse(key)) != p:\n",
         "                if Key.parse(key) is None:\n",
