@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 MAX_INFLIGHT = 1024  # inputs being handled at once in one partition
 DONE_LINGER_S = 30.0  # a write's completion waits this long for its key's next entry (entries.py)
 FETCH_TIMEOUT_S = 1.0
+STOP_SETTLE_S = 0.5  # beyond its last fetch, for a partition handed over to stop deciding by itself
 CONSUMER_RESTART_S = 0.5
 H_TRUNCATED = "Vmfence-Truncated"  # on a dead letter cut to MAX_INPUT_BYTES: the original's length
 
@@ -554,6 +555,18 @@ class Partition(KeyWriter, PartitionVerifier):
             sem.release()
             if msg.is_acked:  # else held for the partition's verification, or the partition went
                 self._unanswered.pop(id(msg), None)
+
+    async def stop(self, task: asyncio.Task[None] | None, *, settle: bool) -> None:
+        """Stop deciding, and end ``task`` (this partition's ``run``). With ``settle`` (a hand-over
+        on purpose) its consumer's fetch under way is let return first, within FETCH_TIMEOUT_S, so
+        what it brings is left unanswered for ``hand_back``: cancelled, that fetch's inputs would
+        reach no one and wait out ``ack_wait`` (10 s) before the next owner saw them."""
+        self.held = False
+        if task is None:
+            return
+        if settle:
+            await asyncio.wait({task}, timeout=FETCH_TIMEOUT_S + STOP_SETTLE_S)
+        await cancel_and_wait([task], what="partition")
 
     async def hand_back(self) -> int:
         """Once this writer has stopped deciding (``held`` cleared, its tasks ended): every input it

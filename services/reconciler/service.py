@@ -380,8 +380,8 @@ class Reconciler:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(part.flush_deferred(older_than_s=0), RELEASE_FLUSH_S)
         if part is not None:
-            part.held = False
-        if task is not None:
+            await part.stop(task, settle=release)
+        elif task is not None:
             await cancel_and_wait([task], what="partition")
         if part is not None:
             # what it fetched and did not answer goes to the next owner now, not after ack_wait
@@ -399,8 +399,9 @@ class Reconciler:
                 await lease.release()
 
     async def _release_all(self) -> None:
-        for p in list(self.partitions):
-            await self._drop(p, release=True)
+        async with asyncio.TaskGroup() as drops:  # side by side: each waits out its last fetch
+            for p in list(self.partitions):
+                drops.create_task(self._drop(p, release=True))
         metrics.PARTITIONS_OWNED.labels(self.writer).set(0)
 
     async def _fleet_loop(self, kv: KeyValue, gateway: KubeGateway) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import nats.errors
+import nats.js.errors
 import pytest
 from nats.js import api
 
@@ -94,3 +95,35 @@ async def test_handing_back_while_still_deciding_is_refused(bus: Bus) -> None:
             await part.hand_back()
     finally:
         await _stop(part, task)
+
+
+async def _fetch_waiting(bus: Bus) -> bool:
+    try:
+        info = await bus.js.consumer_info(bus.subjects.stream_in, DURABLE)
+    except nats.js.errors.NotFoundError:  # the partition has not made its consumer yet
+        return False
+    return bool(info.num_waiting)
+
+
+async def test_a_partition_stopped_on_purpose_hands_back_what_its_last_fetch_brings(bus: Bus) -> None:
+    """A partition handed over on purpose stops deciding and lets its consumer's fetch under way
+    return (``stop`` with ``settle``): an input that fetch brings is answered by no one and handed
+    back at once, rather than being cut off inside a cancelled fetch (where, delivered to this
+    client and never read, it would wait out ``ack_wait``, here 30 s)."""
+    gateway = NullGateway()
+    part = Partition(0, js=bus.js, subjects=bus.subjects, writer="writer-1",
+                     effects=EffectRunner(bus.js, bus.subjects, gateway), snapshots=None, env=_env,
+                     confirm=gateway.confirm, gen=7, ack_wait_s=ACK_WAIT_S)
+    await part.load()
+    task = asyncio.create_task(part.run())
+    deadline = asyncio.get_running_loop().time() + 10
+    while not await _fetch_waiting(bus):  # the consumer's pull request is at the server
+        assert asyncio.get_running_loop().time() < deadline, "the partition never fetched"
+        await asyncio.sleep(0.02)
+    stopping = asyncio.create_task(part.stop(task, settle=True))
+    await asyncio.sleep(0)  # it stopped deciding; its fetch is still at the server
+    await observe(bus, Key("pod", "default", "late"), "uid-9", 1)
+    await stopping
+    assert task.done() and not task.cancelled(), "it ended by itself, its fetch returned"
+    assert await part.hand_back() == 1
+    assert [o.key for o in await _next_owner_fetch(bus, timeout=2)] == ["default/late"]
