@@ -37,7 +37,6 @@ log = logging.getLogger("vmfence.reconciler.images")
 IMAGE_SCHEMA = 1
 MAX_IMAGE_BYTES = 256 * 1024 * 1024  # decompressed; a larger image is refused unread (a bomb, or not ours)
 PUT_TIMEOUT_S = 10.0
-GET_TIMEOUT_S = 10.0
 
 Row = tuple[str, int, bytes]  # key, the stream sequence of its last folded entry, its encoded state
 

@@ -27,16 +27,21 @@ def _env() -> DecideEnv:
     return DecideEnv(hosts=[HostView("host-a", 64, 65536)])  # a live host that never answers
 
 
-async def _holding(bus: Bus, key: Key) -> tuple[Partition, asyncio.Task[None]]:
-    """A partition of a writer whose verification no host answers, holding ``key``'s first input
-    (fetched, decided by nobody, unacked) -- as a writer does for a few seconds after a take."""
+async def _running(bus: Bus, objects: dict[str, tuple[str, int, Spec]]) -> tuple[Partition, asyncio.Task[None]]:
+    """Partition 0 of a writer at generation 7, loaded and running, over a gateway holding ``objects``."""
     gateway = NullGateway()
-    gateway.objects[str(key)] = ("uid-1", 1, Spec())
+    gateway.objects.update(objects)
     part = Partition(0, js=bus.js, subjects=bus.subjects, writer="writer-1",
                      effects=EffectRunner(bus.js, bus.subjects, gateway), snapshots=None, env=_env,
                      confirm=gateway.confirm, gen=7, ack_wait_s=ACK_WAIT_S)
     await part.load()
-    task = asyncio.create_task(part.run())
+    return part, asyncio.create_task(part.run())
+
+
+async def _holding(bus: Bus, key: Key) -> tuple[Partition, asyncio.Task[None]]:
+    """A partition of a writer whose verification no host answers, holding ``key``'s first input
+    (fetched, decided by nobody, unacked) -- as a writer does for a few seconds after a take."""
+    part, task = await _running(bus, {str(key): ("uid-1", 1, Spec())})
     await observe(bus, key, "uid-1", 1)
     await wait_until(lambda: str(key) in part._held_inputs, "the input held for verification")
     return part, task
@@ -110,12 +115,7 @@ async def test_a_partition_stopped_on_purpose_hands_back_what_its_last_fetch_bri
     return (``stop`` with ``settle``): an input that fetch brings is answered by no one and handed
     back at once, rather than being cut off inside a cancelled fetch (where, delivered to this
     client and never read, it would wait out ``ack_wait``, here 30 s)."""
-    gateway = NullGateway()
-    part = Partition(0, js=bus.js, subjects=bus.subjects, writer="writer-1",
-                     effects=EffectRunner(bus.js, bus.subjects, gateway), snapshots=None, env=_env,
-                     confirm=gateway.confirm, gen=7, ack_wait_s=ACK_WAIT_S)
-    await part.load()
-    task = asyncio.create_task(part.run())
+    part, task = await _running(bus, {})
     deadline = asyncio.get_running_loop().time() + 10
     while not await _fetch_waiting(bus):  # the consumer's pull request is at the server
         assert asyncio.get_running_loop().time() < deadline, "the partition never fetched"

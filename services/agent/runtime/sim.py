@@ -388,10 +388,13 @@ class SimDriver:
         return vnc_owner(spec)
 
     # ------------------------------------------------------------------ console
+    def _console_path(self, vm_id: str) -> str:
+        return os.path.join(self.state_dir or ".", "console", f"{vm_id}.log")
+
     def serial_log(self, vm_id: str) -> str:
         """Where the VM's console is (as the qemu driver's serial.log): a few lines per boot. The
         files are written when first asked for; from then on each boot writes them at once."""
-        path = os.path.join(self.state_dir or ".", "console", f"{vm_id}.log")
+        path = self._console_path(vm_id)
         vm = self._host.vms.get(vm_id)
         if vm is not None and self.state_dir and not os.path.exists(path):
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
@@ -407,14 +410,14 @@ class SimDriver:
         for consoles few read; ``serial_log`` writes them from the record when asked."""
         if not self.state_dir:
             return
-        path = os.path.join(self.state_dir, "console", f"{spec.vm_id}.log")
+        path = self._console_path(spec.vm_id)
         if os.path.exists(path):
             os.replace(path, path + ".previous")
             _write_console(path, spec, pid)
 
     def _console_drop(self, vm_id: str) -> None:
         if self.state_dir:
-            path = os.path.join(self.state_dir, "console", f"{vm_id}.log")
+            path = self._console_path(vm_id)
             for p in (path, path + ".previous"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(p)
