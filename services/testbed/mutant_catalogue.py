@@ -67,6 +67,7 @@ KUBE_PY = "services/reconciler/kube.py"
 LEDGER_PY = "services/agent/ledger.py"
 PARTITION_PY = "services/reconciler/partition.py"
 IMAGES_PY = "services/reconciler/images.py"
+PROBES_PY = "services/agent/probes.py"
 ENTRIES_PY = "services/reconciler/entries.py"
 VERIFICATION_PY = "services/reconciler/verification.py"
 # the policy package shared/fence/decide/: one constant per module a mutant names
@@ -718,6 +719,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "                        raise\n",
         "rule 1: a failed fetch never cancels an input mid-append (an entry stored, never folded)",
         ("tests/reconciler/test_fencing.py",),
+    ),
+    Mutant(
+        "probe-reports-for-a-superseded-fence", PROBES_PY,
+        "        if self.ledger.owner(vm_id) != fence:\n            log.info(",
+        "        if False:\n            log.info(",
+        "rule 4: a probe change is published only while the fence it ran under still owns the VM",
+        ("tests/agent/test_probes.py", "tests/agent/test_probe_spec.py"),
+    ),
+    Mutant(
+        "probe-begun-before-a-restart-reported", PROBES_PY,
+        "        if self._swept.get(vm_id) is not swept or swept.gen != gen:\n",
+        "        if self._swept.get(vm_id) is not swept:\n",
+        "rule 4: a probe that began before the VM's new run never reports for that run",
+        ("tests/agent/test_probes.py",),
     ),
     Mutant(
         "image-of-another-stream-loaded", IMAGES_PY,
