@@ -136,17 +136,19 @@ async def test_a_restarted_swept_vm_is_probed_afresh_and_the_prober_stops(
 
 
 class GatedDriver:
-    """A runtime whose first probe waits for ``gate`` and then answers not ready; later ones answer ready."""
+    """A runtime whose ``gated``-th probe waits for ``gate`` and then answers not ready; every
+    other one answers ready at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, gated: int = 1) -> None:
         self.gate = asyncio.Event()
         self.entered = asyncio.Event()
         self.answered = asyncio.Event()
+        self.gated = gated
         self.calls = 0
 
     async def probe(self, vm_id: str) -> bool:
         self.calls += 1
-        if self.calls > 1:
+        if self.calls != self.gated:
             return True
         self.entered.set()
         await self.gate.wait()
@@ -154,41 +156,34 @@ class GatedDriver:
         return False
 
 
+class Published:
+    """A publish that keeps what it was given and says when something came."""
+
+    def __init__(self) -> None:
+        self.changes: list[ProbeChanged] = []
+        self.came = asyncio.Event()
+
+    async def __call__(self, change: ProbeChanged) -> None:
+        self.changes.append(change)
+        self.came.set()
+
+
 async def test_a_probe_begun_before_a_restart_is_not_reported(probed: tuple[Ledger, RuntimeDriver]) -> None:
     ledger, _ = probed
-    driver = GatedDriver()
-    changes: list[ProbeChanged] = []
-    published = asyncio.Event()
-
-    async def publish(change: ProbeChanged) -> None:
-        changes.append(change)
-        published.set()
-
-    prober = Prober(ledger, driver, "host-a", publish, interval=60.0, timeout=30.0)  # type: ignore[arg-type]
+    driver, published = GatedDriver(), Published()
+    prober = Prober(ledger, driver, "host-a", published, interval=60.0, timeout=30.0)  # type: ignore[arg-type]
     run = asyncio.create_task(prober.run())
     try:
         prober.kick(VM)
         await asyncio.wait_for(driver.entered.wait(), 5)  # the first probe is under way...
         prober.restart(VM)  # ...when the VM restarts: the next probe answers ready
-        await asyncio.wait_for(published.wait(), 5)
+        await asyncio.wait_for(published.came.wait(), 5)
         driver.gate.set()
         await asyncio.wait_for(driver.answered.wait(), 5)
-        assert [c.ready for c in changes] == [True], "the answer of a probe begun before the restart was reported"
+        assert [c.ready for c in published.changes] == [True], \
+            "the answer of a probe begun before the restart was reported"
     finally:
         await cancel_and_wait([run])
-
-
-class SecondProbeGated(GatedDriver):
-    """The first probe answers ready at once; the second waits for ``gate``, then answers not ready."""
-
-    async def probe(self, vm_id: str) -> bool:
-        self.calls += 1
-        if self.calls != 2:
-            return True
-        self.entered.set()
-        await self.gate.wait()
-        self.answered.set()
-        return False
 
 
 async def test_a_probe_whose_fence_was_superseded_meanwhile_is_not_reported(
@@ -197,24 +192,18 @@ async def test_a_probe_whose_fence_was_superseded_meanwhile_is_not_reported(
     """Rule 4 on its own, with no restart to discard the probe: the VM's owner in the ledger moves
     to a newer fence while a probe under the older one is under way; its answer is dropped."""
     ledger, _ = probed
-    driver = SecondProbeGated()
-    changes: list[ProbeChanged] = []
-    published = asyncio.Event()
-
-    async def publish(change: ProbeChanged) -> None:
-        changes.append(change)
-        published.set()
-
-    prober = Prober(ledger, driver, "host-a", publish, interval=60.0, timeout=30.0)  # type: ignore[arg-type]
+    driver, published = GatedDriver(gated=2), Published()
+    prober = Prober(ledger, driver, "host-a", published, interval=60.0, timeout=30.0)  # type: ignore[arg-type]
     run = asyncio.create_task(prober.run())
     try:
         prober.kick(VM)
-        await asyncio.wait_for(published.wait(), 5)  # ready under fence 1
+        await asyncio.wait_for(published.came.wait(), 5)  # ready under fence 1
         prober.kick(VM)  # probed again: this one waits inside the runtime
         await asyncio.wait_for(driver.entered.wait(), 5)
         await ledger.put_vm(VMRow(vm_id=VM, fence=fence(2), state="running", spec=Spec(cpus=1, memory_mib=64)))
         driver.gate.set()
         await asyncio.wait_for(driver.answered.wait(), 5)
-        assert [(c.fence, c.ready) for c in changes] == [(fence(1), True)], "a superseded fence's probe was reported"
+        assert [(c.fence, c.ready) for c in published.changes] == [(fence(1), True)], \
+            "a superseded fence's probe was reported"
     finally:
         await cancel_and_wait([run])
