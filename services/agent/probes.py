@@ -38,6 +38,9 @@ from shared.tasks import cancel_and_wait
 log = logging.getLogger("vmfence.agent.probes")
 
 PROBED_STATES = ("running", "paused")
+# the probe whose verdict a bring-up's result carries holds that result back: a short bound (a VM
+# not answering by then is reported not ready, and the sweep reports it ready later)
+FIRST_PROBE_S = 0.25
 SWEEP_WORKERS = 16  # runtime probes in flight at once (a probe that hangs holds one until its timeout)
 
 Publish = Callable[[ProbeChanged], Awaitable[None]]
@@ -155,16 +158,31 @@ class Prober:
             self._touched.add(vm_id)
         self._kick.set()
 
-    def restart(self, vm_id: str) -> None:
+    async def first_readiness(self, vm_id: str) -> tuple[Fence, bool] | None:
+        """The runtime's probe of a VM just brought up, for its result to carry (``CommandResult.ready``):
+        under the fence that owns it, when the sweep is what probes it. None for a VM with a probe of
+        its own (its thresholds and delay decide, in its loop) or not running."""
+        row = self.ledger.vm(vm_id)
+        if row is None or row.state not in PROBED_STATES or _own_probe(row):
+            return None
+        return row.fence, await self._runtime_probe(vm_id, row.fence, min(self.timeout, FIRST_PROBE_S))
+
+    def restart(self, vm_id: str, reported: tuple[Fence, bool] | None = None) -> None:
         """The VM was (re)started: probe it afresh, so its readiness is reported again even if an
-        exit and restart both fell between two probes (the reconciler forgot readiness at the exit)."""
+        exit and restart both fell between two probes (the reconciler forgot readiness at the exit).
+        ``reported``: the readiness its published result carried (``first_readiness``), which the
+        sweep then reports only when it changes."""
         task = self._tasks.pop(vm_id, None)
         if task is not None:
             task.cancel()
         swept = self._swept.get(vm_id)
+        if swept is None and reported is not None:
+            swept = self._swept[vm_id] = _Swept()
         if swept is not None:
             swept.gen += 1
-            swept.reported = None
+            swept.reported = reported
+            if reported is not None:
+                self._probed[vm_id] = reported
             self._queue(vm_id, swept, fresh=True)
         self.kick(vm_id)
 
@@ -251,12 +269,12 @@ class Prober:
         if swept.gen == gen:
             swept.reported = reported
 
-    async def _runtime_probe(self, vm_id: str, fence: Fence) -> bool:
-        """The runtime's own probe, within ``timeout``; whatever fails is not ready."""
+    async def _runtime_probe(self, vm_id: str, fence: Fence, timeout: float | None = None) -> bool:  # noqa: ASYNC109
+        """The runtime's own probe, within ``timeout`` (default: the probes'); whatever fails is not ready."""
         try:
             # asyncio.timeout, not wait_for: no task per probe (one probe per VM per interval
             # is the agent's largest cost that grows with its VMs)
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(self.timeout if timeout is None else timeout):
                 return await self.driver.probe(vm_id)
         except (RuntimeFailure, Inconclusive, TimeoutError) as e:
             log.debug("probe failed: %s", e, extra=fence_fields(fence, vm_id))

@@ -494,8 +494,16 @@ class Agent:
         # id's Msg-Id, or the stream's dedupe would drop the real result of the newer writer's
         # copy, sent right after (the key would wait a duplicate window, or for ever)
         msg_id = result.command_id if result.floor == 0 else f"{result.command_id}|refused:{cmd.gen}<{result.floor}"
+        first = await self.prober.first_readiness(cmd.vm_id) if new_run and cmd.op != "adopt" else None
+        if first is not None and first[0] == result.fence:
+            # decided with the binding (one status write); the ledger keeps the result without it
+            result = msgspec.structs.replace(result, ready=first[1])
+        else:
+            first = None
+        published = False
         try:
             await self._report("result", result.fence, result, msg_id)
+            published = True
         except (AppendFailed, nats.errors.Error, TimeoutError) as e:
             log.warning("result not published (%r); redelivery will republish it", e, extra=cmd_fields(cmd))
             await self._nak(msg, self._retry_delay(msg))
@@ -504,7 +512,7 @@ class Agent:
             if new_run:
                 # only now: a probe of the new run published before its result would be decided
                 # before the binding and dropped (not bound yet), the VM not Ready until an inventory
-                self.prober.restart(cmd.vm_id)
+                self.prober.restart(cmd.vm_id, first if published else None)
         await self._ack(msg)
 
     def _retry_delay(self, msg: Msg) -> float:

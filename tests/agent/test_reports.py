@@ -15,7 +15,7 @@ from services.agent.service import Agent
 from services.testbed.chaos.busfaults import CALM, BusProxy, Weather
 from services.testbed.natsserver import NatsServer
 from shared.bus import retry as bus_retry
-from shared.fence.schema import CommandResult, Inventoried, ProbeChanged, VMExited, VMGone
+from shared.fence.schema import CommandResult, Inventoried, VMExited, VMGone
 from shared.subjects import Subjects
 
 from .conftest import Reports, command, fence, send, sim_driver
@@ -82,7 +82,9 @@ async def test_inventories_repeat_the_last_readiness_published(
     async with Agent(cfg, driver=driver) as agent:
         c = command("create", "z-1", f)
         await send(nc, c)
-        await reports.wait(lambda i: isinstance(i, ProbeChanged) and i.vm_id == "z-1" and i.ready)
+        # the readiness its result carried (the runtime's probe right after the bring-up)
+        res = await reports.wait(lambda i: isinstance(i, CommandResult) and i.command_id == c.id)
+        assert isinstance(res, CommandResult) and res.ready is True
         r = await agent.inventory()
         inv = await reports.wait(lambda i: isinstance(i, Inventoried) and i.round == r and i.vm_id == "z-1")
         assert isinstance(inv, Inventoried) and inv.ready is True and inv.fence == f

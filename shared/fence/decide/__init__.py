@@ -56,7 +56,8 @@ never evidence of a lost tail; an observation or read above ``MAX_OBJECT_BYTES``
 invalid spec (``within_bounds``).
 
 Agent results by the command's op (as the log commanded it) and the answer's outcome (``_RESULTS``;
-``-`` is a named CannotHappen). A create/start/wake that took is Bound if its fence is current, else
+``-`` is a named CannotHappen). A create/start/wake that took is Bound if its fence is current (and
+ReadyChanged with it when the answer carries the runtime probe's ``ready``), else
 Skipped(stale_effect) + remove (no leak); a failed one releases only a claim it still owns (rule 2)
 and places again; an adopt is bound only after the agent's inspect confirmed the VM (rule 8); a
 survey's finds (after a lost tail, Rebuilt) are Discovered and adopted or removed, and no VM is

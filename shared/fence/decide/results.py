@@ -16,6 +16,7 @@ from shared.fence.schema import (
     Discovered,
     Hibernated,
     PlaceTimer,
+    ReadyChanged,
     Released,
     ReleaseReason,
     RetryTimer,
@@ -85,6 +86,10 @@ def _up_ok(run: _Run, a: _Answer) -> None:
         _event(run, cur.fence, "Started", f"VM {cmd.vm_id} running on {cmd.host}")
         if cur.spec.hibernate:
             _hibernate(run, cur)
+        elif a.r.ready and not cur.ready:
+            # the runtime's probe right after the bring-up: ready with the binding, in one status
+            # write (a ProbeChanged would say the same an append and a write later)
+            run.add(ReadyChanged(cur.fence, True))
         return
     reason: SkipReason = "superseded" if s.is_tombstoned(cmd.fence.uid) else "stale_effect"
     run.add(Skipped(reason, cmd.fence.uid, f"{cmd.op} of {cmd.vm_id} finished after its fence ended"))
