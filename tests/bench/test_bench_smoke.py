@@ -48,6 +48,21 @@ def is_number(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
+DECISIONS_FIELDS = (
+    "decisions_per_s", "raw_async_publish_per_s", "ratio_to_raw_async_publish", "cpu_us_per_decision",
+    "raw_async_publish_cpu_us_per_msg", "cpu_ratio_to_raw_async_publish",
+)  # fmt: skip
+
+
+def test_bench_decisions() -> None:
+    """The reconciler alone: its observations published by the fake agents' process on cue, every
+    key decided to bound, both ratios to the raw publish numbers."""
+    r = vmfence_json("bench", "decisions", "--keys", "300", "--partitions", "4", timeout=120)
+    for f in DECISIONS_FIELDS:
+        assert is_number(r[f]) and r[f] > 0, (f, r.get(f))
+    assert r["keys"] == 300 and r["entries"] >= 300 and r["decisions"] >= 3 * 300
+
+
 def test_bench_vm_sim() -> None:
     r = vmfence_json("bench", "vm", "--runtime", "sim", "--count", "3", timeout=30)
     for f in VM_FIELDS:

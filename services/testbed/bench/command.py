@@ -119,6 +119,27 @@ async def raw_publish_rates(bus: Bus, n: int) -> tuple[float, float]:
     return sync_rate, async_rate
 
 
+async def raw_async_publish_cpu_us(bus: Bus, n: int) -> float:
+    """This process's CPU (every thread) per pipelined publish of this client, in µs: the unit
+    beside which ``bench decisions`` puts the reconciler's CPU per decision. CPU per unit, not a
+    rate, is what stays put on a shared machine (the rates here moved by ±20 % from run to run)."""
+    js = bus.js
+    await js.add_stream(name=BENCH_STREAM, subjects=["vmfence-bench.>"])
+    payload = b"x" * 200
+    try:
+        start = time.process_time()
+        pending: list[asyncio.Future] = []  # type: ignore[type-arg]
+        for i in range(n):
+            pending.append(await js.publish_async(f"vmfence-bench.async.{i % 64}", payload))
+            if len(pending) >= 1024:
+                await asyncio.wait_for(asyncio.gather(*pending), 30)
+                pending.clear()
+        await asyncio.wait_for(asyncio.gather(*pending), 30)
+        return 1e6 * (time.process_time() - start) / n
+    finally:
+        await js.delete_stream(BENCH_STREAM)
+
+
 async def answer_commands(bus: Bus, host: str, stop: asyncio.Event) -> int:
     """Answers every command at once (`ok`), as an agent with an infinitely fast runtime would."""
     subjects = bus.subjects
@@ -161,8 +182,26 @@ async def answer_commands(bus: Bus, host: str, stop: asyncio.Event) -> int:
     return answered
 
 
-def fake_agents_main(url: str, partitions: int) -> None:
-    """Entry point of the fake agents' process (host-a and host-b); runs until terminated."""
+def bench_pods(keys: int) -> list[Key]:
+    """The pods ``bench decisions`` decides, in the order their observations are published."""
+    return [Key("pod", "bench", f"pod-{i}") for i in range(keys)]
+
+
+async def _publish_on_go(bus: Bus, keys: int) -> None:
+    """Say ``ready`` on stdout, wait for ``go`` on stdin, then publish the first observation of each
+    of ``bench_pods(keys)``: the measured process then runs the reconciler alone."""
+    loop = asyncio.get_running_loop()
+    print("ready", flush=True)
+    line = await loop.run_in_executor(None, sys.stdin.readline)
+    if line.strip() != "go":
+        return
+    await publish_pod_observations(bus.js, bus.subjects, bench_pods(keys), range(keys), 60)
+    print("published", flush=True)
+
+
+def fake_agents_main(url: str, partitions: int, publish_keys: int = 0) -> None:
+    """Entry point of the fake agents' process (host-a and host-b); runs until terminated. With
+    ``publish_keys``, it also publishes that many pods' observations when told (``_publish_on_go``)."""
 
     async def run() -> None:
         bus = await Bus.open(url, name="bench-agents", subjects=Subjects(partitions=partitions))
@@ -170,6 +209,8 @@ def fake_agents_main(url: str, partitions: int) -> None:
         async with asyncio.TaskGroup() as tg:
             for host in ("host-a", "host-b"):
                 tg.create_task(answer_commands(bus, host, stop))
+            if publish_keys:
+                tg.create_task(_publish_on_go(bus, publish_keys))
 
     try:
         asyncio.run(run())
@@ -192,12 +233,13 @@ async def _run_decisions(keys: int, partitions: int) -> dict[str, object]:
         await provision(bus.js, subjects, StreamsConfig(partitions=partitions))
         raw_n = max(2000, min(keys, 20000))
         sync_rate, async_rate = await raw_publish_rates(bus, raw_n)
+        raw_cpu_before = await raw_async_publish_cpu_us(bus, raw_n)
         hosts = await bus.js.key_value(subjects.kv_hosts)
         for host in ("host-a", "host-b"):
             beat = HostHeartbeat(host, "sim", 100000, 100000, 10**9, 10**9, 0, time.time())
             await hosts.put(host, encode(beat))
         gateway = NullGateway()
-        pods = [Key("pod", "bench", f"pod-{i}") for i in range(keys)]
+        pods = bench_pods(keys)
         for i, key in enumerate(pods):
             gateway.objects[str(key)] = (f"uid-{i:08d}", 1, Spec())
         cfg = ReconcilerConfig(
@@ -205,22 +247,28 @@ async def _run_decisions(keys: int, partitions: int) -> dict[str, object]:
             kube="none", http_port=0,
         )
         rec = Reconciler(cfg, gateway=gateway, health=False)
-        # the fake agents run in their own process, as real agents do (they would otherwise share
-        # this process's one core with the reconciler being measured)
+        # the fake agents run in their own process, as real agents do, and so does the publishing
+        # of the pods' observations, as a watcher's: this process runs the reconciler alone (and
+        # the benchmark's poll for the end)
         agents = await asyncio.create_subprocess_exec(
             sys.executable, "-c",
             f"from services.testbed.bench.command import fake_agents_main; "
-            f"fake_agents_main({server.url!r}, {partitions})",
+            f"fake_agents_main({server.url!r}, {partitions}, {keys})",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         )
+        assert agents.stdin is not None and agents.stdout is not None
         try:
             async with asyncio.TaskGroup() as tg:
                 rec_task = tg.create_task(rec.run())
                 await asyncio.wait_for(rec.ready.wait(), 30)
                 await until_hosts_live(rec)
-                start = time.perf_counter()
-                await publish_pod_observations(bus.js, subjects, pods, range(keys), 30)
+                if (await asyncio.wait_for(agents.stdout.readline(), 60)).strip() != b"ready":
+                    raise RuntimeError("the fake agents' process did not start")
+                start, cpu_start = time.perf_counter(), time.process_time()
+                agents.stdin.write(b"go\n")
+                await agents.stdin.drain()
                 await until_keys_idle(rec, keys, time.monotonic() + max(120.0, keys / 50))
-                seconds = time.perf_counter() - start
+                seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
                 decisions = sum(p.stats["decisions"] for p in rec.partitions.values())
                 entries = sum(p.stats["entries"] for p in rec.partitions.values())
                 rec.stop()
@@ -231,6 +279,7 @@ async def _run_decisions(keys: int, partitions: int) -> dict[str, object]:
         # the baseline again, after: this machine's speed drifts within a run, and the mean of the
         # two brackets the decisions in time
         _, async_after = await raw_publish_rates(bus, raw_n)
+        raw_cpu = (raw_cpu_before + await raw_async_publish_cpu_us(bus, raw_n)) / 2
         await bus.close()
     finally:
         await server.stop()
@@ -249,6 +298,11 @@ async def _run_decisions(keys: int, partitions: int) -> dict[str, object]:
         "raw_async_publish_per_s": round(async_rate_mean, 1),
         "raw_async_publish_per_s_before_after": [round(async_rate, 1), round(async_after, 1)],
         "ratio_to_raw_async_publish": round(rate / async_rate_mean, 3),
+        # the same comparison in CPU: µs of this process per decision against µs of it per raw
+        # pipelined publish (the mean of before and after); steadier than the rates on a shared machine
+        "cpu_us_per_decision": round(1e6 * cpu_seconds / max(1, decisions), 2),
+        "raw_async_publish_cpu_us_per_msg": round(raw_cpu, 2),
+        "cpu_ratio_to_raw_async_publish": round(raw_cpu / max(1e-9, 1e6 * cpu_seconds / max(1, decisions)), 3),
         "raw_messages": raw_n,
     }
 
