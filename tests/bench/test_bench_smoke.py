@@ -114,6 +114,10 @@ def test_bench_all_smoke() -> None:
     assert is_number(r["fleet"]["raw_publish_per_s"]["async"])
     per_msg = r["fleet"]["raw_publish_cpu_us_per_msg"]
     assert per_msg["client"] > 0 and per_msg["nats"] > 0
+    # beside the latency: what one wake-up of another process costs here, with and without asyncio
+    wake = r["fleet"]["wakeup_baseline"]
+    assert all(is_number(wake[k]["cpu_us_per_round_trip"]) and wake[k]["cpu_us_per_round_trip"] > 0
+               for k in ("blocking", "asyncio_uvloop")), wake
     assert figs["replay"]["audit_clean"] is True
     assert r["machine"]["cpus"] >= 1
 

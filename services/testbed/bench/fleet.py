@@ -632,8 +632,14 @@ async def run_fleet(size: dict[str, Any], sizes: list[int], loads: list[int], se
     out: dict[str, Any] = {"layout": "one process per component: " + ", ".join(
         ["nats-server", "apiserver", "watcher", *(f"agent-{h} (sim)" for h in HOSTS), "reconciler-1", "reconciler-2"]
     )}
+    from services.testbed.bench import wakeup
+
     say("baseline: bare API server")
     out["bare_api"] = [await bare_api_baseline(n, size["create_concurrency"], tmp) for n in sorted(set(sizes))]
+    if loads:
+        # the floor under a message when nothing batches, which is what a low latency asks for
+        say("baseline: a wake-up of another process")
+        out["wakeup_baseline"] = await wakeup.measure(size.get("wakeup_round_trips", wakeup.ROUND_TRIPS))
     async with FleetBench(size, tmp, profile_dir) as fleet:
         out["partitions_balanced_s"] = fleet.balanced_s
         say("baseline: raw publish")
@@ -682,7 +688,10 @@ def main() -> None:  # pragma: no cover - manual: python -m services.testbed.ben
     handover = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     # SIGTERM too ends the run through its cleanup: the fleet's processes start in sessions of their
     # own and would outlive a harness that just died (and weigh on the next run's figures)
-    fleet = run_fleet(SIZES["smoke"], sizes, loads, 5.0, tmp, say=lambda s: print(s, file=sys.stderr),
+    from services.testbed.bench.wakeup import ROUND_TRIPS
+
+    size = {**SIZES["smoke"], "wakeup_round_trips": ROUND_TRIPS}
+    fleet = run_fleet(size, sizes, loads, 5.0, tmp, say=lambda s: print(s, file=sys.stderr),
                       profile_dir=os.environ.get("VMFENCE_BENCH_PROFILE"), handover_pods=handover)
     res = run_main(interruptible(fleet))
     print(json.dumps(res, indent=2))

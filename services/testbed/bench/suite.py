@@ -53,11 +53,12 @@ VMFENCE = [sys.executable, "-m", "services.cli"]
 SIZES: dict[str, dict[str, Any]] = {
     "smoke": {
         "loads": [50], "load_seconds": 2.0, "pods": 60, "fleet_pods": [40, 120], "mem_keys": 2000,
+        "wakeup_round_trips": 2000,
         "catchup_decisions": 5000, "raw_n": 5000, "create_concurrency": 32,
         "handover_pods": 40, "handovers": ("stop",),  # a kill waits out a lease TTL: full size only
     },
     "full": {
-        "loads": [50, 200, 1000], "load_seconds": 5.0, "pods": 10000, "fleet_pods": [1000, 10000],
+        "loads": [50, 100, 150, 200, 1000], "load_seconds": 5.0, "pods": 10000, "fleet_pods": [1000, 10000],
         "mem_keys": 100000, "handover_pods": 1000, "handovers": ("stop", "kill"),
         "catchup_decisions": 100000, "raw_n": 20000, "create_concurrency": 64,
     },
@@ -494,6 +495,7 @@ async def run_all(
                                     handovers=sz["handovers"])
             out["fleet"] = {"layout": fleet["layout"], "raw_publish_per_s": fleet["raw_publish_per_s"],
                             "raw_publish_cpu_us_per_msg": fleet["raw_publish_cpu_us_per_msg"],
+                            "wakeup_baseline": fleet.get("wakeup_baseline"),
                             "seconds": round(time.perf_counter() - t_fig, 1)}
             if "latency" in only:
                 at200 = next((x for x in fleet["latency"] if x["offered_per_s"] == 200), None)
