@@ -58,7 +58,8 @@ SIZES: dict[str, dict[str, Any]] = {
         "handover_pods": 40, "handovers": ("stop",),  # a kill waits out a lease TTL: full size only
     },
     "full": {
-        "loads": [50, 100, 150, 200, 1000], "load_seconds": 5.0, "pods": 10000, "fleet_pods": [1000, 10000],
+        "loads": [50, 100, 150, 200, 1000], "load_seconds": 5.0, "load_seconds_by_rate": {200: 60.0},
+        "pods": 10000, "fleet_pods": [1000, 10000],
         "mem_keys": 100000, "handover_pods": 1000, "handovers": ("stop", "kill"),
         "catchup_decisions": 100000, "raw_n": 20000, "create_concurrency": 64,
     },
