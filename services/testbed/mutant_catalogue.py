@@ -728,6 +728,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/agent/test_probes.py", "tests/agent/test_probe_spec.py"),
     ),
     Mutant(
+        "new-run-probed-before-its-result", "services/agent/service.py",
+        "        published = False\n        try:\n",
+        "        published = False\n        if new_run:\n            self.prober.restart(cmd.vm_id, first)\n        try:\n",
+        "a new run's readiness is never reported before its result, which binds it (a probe decided "
+        "before the binding is dropped, and the VM stays not Ready)",
+        ("tests/agent/test_agent.py",),
+    ),
+    Mutant(
+        "hibernating-pod-made-ready-by-its-bring-up", DECIDE_RESULTS,
+        "        elif a.r.ready and not cur.ready:\n",
+        "        if a.r.ready and not cur.ready:\n",
+        "a bring-up's ready verdict makes Ready only a pod that stays up (a hibernating one is not)",
+        ("tests/unit/test_ready_with_binding.py",),
+    ),
+    Mutant(
         "probe-begun-before-a-restart-reported", PROBES_PY,
         "        if self._swept.get(vm_id) is not swept or swept.gen != gen:\n",
         "        if self._swept.get(vm_id) is not swept:\n",
