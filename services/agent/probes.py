@@ -165,7 +165,11 @@ class Prober:
         row = self.ledger.vm(vm_id)
         if row is None or row.state not in PROBED_STATES or _own_probe(row):
             return None
-        return row.fence, await self._runtime_probe(vm_id, row.fence, min(self.timeout, FIRST_PROBE_S))
+        fence = row.fence
+        ready = await self._runtime_probe(vm_id, fence, min(self.timeout, FIRST_PROBE_S))
+        # what inventories repeat from now on, even one taken before the result's publish returns
+        self._probed[vm_id] = (fence, ready)
+        return fence, ready
 
     def restart(self, vm_id: str, reported: tuple[Fence, bool] | None = None) -> None:
         """The VM was (re)started: probe it afresh, so its readiness is reported again even if an
