@@ -163,3 +163,16 @@ def test_bench_append_batch_semantics_and_figures() -> None:
                 assert is_number(fig[f]) and fig[f] >= 0, (storage, way, f, fig[f])
         assert is_number(r[storage]["batched_over_single_total_cpu"])
         assert is_number(r[storage]["single_over_nats_py_client_cpu"])
+
+
+async def test_stages_of_a_pods_time_to_bound(tmp_path: Path) -> None:
+    """`python -m services.testbed.bench.stages`: every pod of a small load timed through each stage
+    between its create and its binding entry."""
+    from services.testbed.bench.stages import STAGES, run_stages
+
+    r = await run_stages(20, 1.0, 0, str(tmp_path))
+    assert r["pods"] == 20 and r["timed"] == 20, r
+    for stage in STAGES:  # (a stage timed by the harness's subscription may come out a hair below 0)
+        got = r["stages_s"][stage]
+        assert all(is_number(got[p]) for p in ("p50", "p90", "p99")), (stage, got)
+    assert 0 < r["stages_s"]["total"]["p50"] <= r["stages_s"]["total"]["p99"]
