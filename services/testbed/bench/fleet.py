@@ -480,21 +480,16 @@ class FleetBench:
             "rebalanced_s": balanced,
         }
 
-    async def latency(self, rate: int, seconds: float) -> dict[str, Any]:
-        """Offered load ``rate`` pods/s for ``seconds``, creates on a fixed schedule: a slow system
-        shows as latency, not as fewer pods."""
+    async def offer(self, names: list[str], rate: int) -> tuple[dict[str, float], float]:
+        """Create ``names`` at ``rate`` per second on a fixed schedule (a slow system shows as
+        latency, not as fewer pods), then wait until every one runs. Returns when each create was
+        answered (wall clock, as the log's stored times) and how long the creating took."""
         assert self.tracker is not None
-        js, subjects = self.bus.js, self.subjects
-        n = max(1, int(rate * seconds))
-        names = [f"lat{rate}-{i}" for i in range(n)]
         created: dict[str, float] = {}
-        start_seq = await log_last_seq(js, subjects) + 1
 
         async def one(name: str) -> None:
             created[name] = await self.create(name)
 
-        meter = CpuMeter(self.pids)
-        meter.start()
         t_start = time.monotonic()
         async with asyncio.TaskGroup() as tg:
             for i, name in enumerate(names):
@@ -503,8 +498,22 @@ class FleetBench:
                     await asyncio.sleep(delay)
                 tg.create_task(one(name))
             offered_s = time.monotonic() - t_start
+        n = len(names)
         await self.tracker.wait(lambda: all(nm in self.tracker.running_at for nm in names),  # type: ignore[union-attr]
                                 120 + n / 20, f"{n} pods Running at {rate}/s")
+        return created, offered_s
+
+    async def latency(self, rate: int, seconds: float) -> dict[str, Any]:
+        """Offered load ``rate`` pods/s for ``seconds``, creates on a fixed schedule: a slow system
+        shows as latency, not as fewer pods."""
+        assert self.tracker is not None
+        js, subjects = self.bus.js, self.subjects
+        n = max(1, int(rate * seconds))
+        names = [f"lat{rate}-{i}" for i in range(n)]
+        start_seq = await log_last_seq(js, subjects) + 1
+        meter = CpuMeter(self.pids)
+        meter.start()
+        created, offered_s = await self.offer(names, rate)
         spent = meter.stop()
         end_seq = await log_last_seq(js, subjects)
         bound = await bound_times(js, subjects, start_seq, end_seq)

@@ -10,7 +10,6 @@ results and the reconcilers' commands are timed as the harness sees them on a NA
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import os
@@ -71,20 +70,7 @@ async def run_stages(rate: int, seconds: float, before: int, tmp: str) -> dict[s
                 await fleet.bus.nc.subscribe(f"{subjects.prefix}.cmd.>", cb=on_cmd)]
         n = max(1, int(rate * seconds))
         names = [f"stage{rate}-{i}" for i in range(n)]
-        created: dict[str, float] = {}
-
-        async def one(name: str) -> None:
-            created[name] = await fleet.create(name)
-
-        t0 = time.monotonic()
-        async with asyncio.TaskGroup() as tg:
-            for i, name in enumerate(names):
-                delay = t0 + i / rate - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tg.create_task(one(name))
-        await fleet.tracker.wait(lambda: all(nm in fleet.tracker.running_at for nm in names),  # type: ignore[union-attr]
-                                 120 + n / 20, f"{n} pods Running at {rate}/s")
+        created, _ = await fleet.offer(names, rate)
         for sub in subs:
             await sub.unsubscribe()
         observed = _first(seen_in, decode_input, lambda i: i.key if isinstance(i, Observed) else None)
