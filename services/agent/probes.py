@@ -160,10 +160,12 @@ class Prober:
 
     async def first_readiness(self, vm_id: str) -> tuple[Fence, bool] | None:
         """The runtime's probe of a VM just brought up, for its result to carry (``CommandResult.ready``):
-        under the fence that owns it, when the sweep is what probes it. None for a VM with a probe of
-        its own (its thresholds and delay decide, in its loop) or not running."""
+        under the fence that owns it, when the sweep probes it by its run state. None for a VM with a
+        probe of its own (its thresholds and delay decide, in its loop), one whose readiness is its
+        guest's (``probe_port``: a guest still booting would only hold the result back, then say
+        no), or one not running."""
         row = self.ledger.vm(vm_id)
-        if row is None or row.state not in PROBED_STATES or _own_probe(row):
+        if row is None or row.state not in PROBED_STATES or _own_probe(row) or row.spec.probe_port is not None:
             return None
         fence = row.fence
         ready = await self._runtime_probe(vm_id, fence, min(self.timeout, FIRST_PROBE_S))

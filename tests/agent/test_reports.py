@@ -15,7 +15,7 @@ from services.agent.service import Agent
 from services.testbed.chaos.busfaults import CALM, BusProxy, Weather
 from services.testbed.natsserver import NatsServer
 from shared.bus import retry as bus_retry
-from shared.fence.schema import CommandResult, Inventoried, VMExited, VMGone
+from shared.fence.schema import CommandResult, Inventoried, ProbeChanged, Spec, VMExited, VMGone
 from shared.subjects import Subjects
 
 from .conftest import Reports, command, fence, send, sim_driver
@@ -116,3 +116,19 @@ async def test_a_lost_ack_is_retried_instead_of_waiting_out_ack_wait(
                 await asyncio.sleep(0.1)
     finally:
         await proxy.stop()
+
+
+async def test_a_vm_whose_readiness_is_its_guests_is_not_judged_at_its_bring_up(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig]
+) -> None:
+    """A VM with a probe port is ready when its guest answers there, which a guest still booting
+    does not: its result carries no verdict (probing then would only hold the result back), and the
+    sweep reports its readiness when it comes."""
+    cfg = make_config()
+    f = fence(1)
+    async with Agent(cfg, driver=sim_driver(cfg)):
+        c = command("create", "g-1", f, spec=Spec(cpus=1, memory_mib=64, probe_port=8080))
+        await send(nc, c)
+        res = await reports.wait(lambda i: isinstance(i, CommandResult) and i.command_id == c.id)
+        assert isinstance(res, CommandResult) and res.outcome == "ok" and res.ready is None
+        await reports.wait(lambda i: isinstance(i, ProbeChanged) and i.vm_id == "g-1" and i.ready and i.fence == f)
