@@ -158,20 +158,20 @@ class Prober:
             self._touched.add(vm_id)
         self._kick.set()
 
-    async def first_readiness(self, vm_id: str) -> tuple[Fence, bool] | None:
-        """The runtime's probe of a VM just brought up, for its result to carry (``CommandResult.ready``):
-        under the fence that owns it, when the sweep probes it by its run state. None for a VM with a
-        probe of its own (its thresholds and delay decide, in its loop), one whose readiness is its
-        guest's (``probe_port``: a guest still booting would only hold the result back, then say
-        no), or one not running."""
+    async def first_readiness(self, vm_id: str, fence: Fence) -> bool | None:
+        """The runtime's probe of a VM just brought up under ``fence``, for its result to carry
+        (``CommandResult.ready``), when the sweep probes it by its run state. None for a VM another
+        fence owns, with a probe of its own (its thresholds and delay decide, in its loop), whose
+        readiness is its guest's (``probe_port``: a guest still booting would only hold the result
+        back, then say no), or not running."""
         row = self.ledger.vm(vm_id)
-        if row is None or row.state not in PROBED_STATES or _own_probe(row) or row.spec.probe_port is not None:
+        if (row is None or row.fence != fence or row.state not in PROBED_STATES or _own_probe(row)
+                or row.spec.probe_port is not None):
             return None
-        fence = row.fence
         ready = await self._runtime_probe(vm_id, fence, min(self.timeout, FIRST_PROBE_S))
         # what inventories repeat from now on, even one taken before the result's publish returns
         self._probed[vm_id] = (fence, ready)
-        return fence, ready
+        return ready
 
     def restart(self, vm_id: str, reported: tuple[Fence, bool] | None = None) -> None:
         """The VM was (re)started: probe it afresh, so its readiness is reported again even if an
@@ -187,8 +187,6 @@ class Prober:
         if swept is not None:
             swept.gen += 1
             swept.reported = reported
-            if reported is not None:
-                self._probed[vm_id] = reported
             self._queue(vm_id, swept, fresh=True)
         self.kick(vm_id)
 

@@ -494,16 +494,13 @@ class Agent:
         # id's Msg-Id, or the stream's dedupe would drop the real result of the newer writer's
         # copy, sent right after (the key would wait a duplicate window, or for ever)
         msg_id = result.command_id if result.floor == 0 else f"{result.command_id}|refused:{cmd.gen}<{result.floor}"
-        first = await self.prober.first_readiness(cmd.vm_id) if new_run and cmd.op != "adopt" else None
-        if first is not None and first[0] == result.fence:
-            # decided with the binding (one status write); the ledger keeps the result without it
-            result = msgspec.structs.replace(result, ready=first[1])
-        else:
-            first = None
-        published = False
+        ready = await self.prober.first_readiness(cmd.vm_id, result.fence) if new_run and cmd.op != "adopt" else None
+        if ready is not None:  # decided with the binding (one status write); the ledger keeps it without
+            result = msgspec.structs.replace(result, ready=ready)
+        told = None  # the readiness the published result carries
         try:
             await self._report("result", result.fence, result, msg_id)
-            published = True
+            told = ready
         except (AppendFailed, nats.errors.Error, TimeoutError) as e:
             log.warning("result not published (%r); redelivery will republish it", e, extra=cmd_fields(cmd))
             await self._nak(msg, self._retry_delay(msg))
@@ -512,7 +509,7 @@ class Agent:
             if new_run:
                 # only now: a probe of the new run published before its result would be decided
                 # before the binding and dropped (not bound yet), the VM not Ready until an inventory
-                self.prober.restart(cmd.vm_id, first if published else None)
+                self.prober.restart(cmd.vm_id, None if told is None else (result.fence, told))
         await self._ack(msg)
 
     def _retry_delay(self, msg: Msg) -> float:

@@ -729,9 +729,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "new-run-probed-before-its-result", "services/agent/service.py",
-        "        published = False\n        try:\n",
-        "        published = False\n        if new_run:\n"
-        "            self.prober.restart(cmd.vm_id, first)\n        try:\n",
+        "        told = None  # the readiness the published result carries\n        try:\n",
+        "        told = None\n        if new_run:\n"
+        "            self.prober.restart(cmd.vm_id, None if ready is None else (result.fence, ready))\n        try:\n",
         "a new run's readiness is never reported before its result, which binds it (a probe decided "
         "before the binding is dropped, and the VM stays not Ready)",
         ("tests/agent/test_agent.py",),

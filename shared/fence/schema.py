@@ -171,11 +171,7 @@ class CommandResult(msgspec.Struct, tag="result", frozen=True, omit_defaults=Tru
     # command's writer sent it (PartitionVerify). For the shell, never for decide: the writer of
     # that generation sends its own copy of every command of its outbox (under a Msg-Id of its own)
     floor: int = 0
-    # a create, start or wake that took, of a VM its runtime alone probes by its run state (no
-    # readiness or liveness probe in its spec, no probe port): that probe's verdict right after the
-    # bring-up, so the VM's readiness is decided with its binding (one status write, not two). None:
-    # not probed here (a probe of the VM's own, a guest's port, or an older agent): its
-    # ProbeChanged tells, as for any later change.
+    # a bring-up's run-state probe, decided with its binding; None: not probed (Prober.first_readiness)
     ready: bool | None = None
     v: int = SCHEMA_VERSION
 
