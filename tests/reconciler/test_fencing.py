@@ -82,10 +82,7 @@ async def test_malformed_input_goes_to_the_dead_letter_stream_and_the_partition_
         assert reasons[0].startswith("undecodable input") and "on the subject of" in reasons[1]
         assert dead[0].data == b"{not json", "nothing is lost: the original bytes are kept"
     finally:
-        part.held = False
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await part.stop(task, settle=False)  # cancel_and_wait: Python 3.11 can swallow one cancel
 
 
 async def test_a_partition_whose_lease_is_gone_appends_nothing(bus: Bus) -> None:
