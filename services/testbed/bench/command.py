@@ -198,15 +198,37 @@ async def _publish_on_go(bus: Bus, keys: int) -> None:
     print("published", flush=True)
 
 
+FAKE_HOSTS = ("host-a", "host-b")
+HEARTBEAT_EVERY_S = 3.0  # well inside the reconciler's HostsView.stale_after_s (15 s)
+
+
+def fake_heartbeat(host: str) -> HostHeartbeat:
+    """A fake host's heartbeat: room for far more VMs than any benchmark places."""
+    return HostHeartbeat(host, "sim", 10**7, 10**7, 10**10, 10**10, 0, time.time())
+
+
+async def beat_hosts(bus: Bus) -> None:
+    """Heartbeat the fake hosts until cancelled, as live agents do: a run longer than the reconciler's
+    stale_after_s would otherwise see them die, and its pods left unplaced (a 30 000-key
+    ``bench decisions`` never ended)."""
+    hosts = await bus.js.key_value(bus.subjects.kv_hosts)
+    while True:
+        for host in FAKE_HOSTS:
+            await hosts.put(host, encode(fake_heartbeat(host)))
+        await asyncio.sleep(HEARTBEAT_EVERY_S)  # a period, not a synchronisation
+
+
 def fake_agents_main(url: str, partitions: int, publish_keys: int = 0) -> None:
-    """Entry point of the fake agents' process (host-a and host-b); runs until terminated. With
-    ``publish_keys``, it also publishes that many pods' observations when told (``_publish_on_go``)."""
+    """Entry point of the fake agents' process (host-a and host-b): heartbeats and answers their
+    commands until terminated. With ``publish_keys``, it also publishes that many pods' observations
+    when told (``_publish_on_go``)."""
 
     async def run() -> None:
         bus = await Bus.open(url, name="bench-agents", subjects=Subjects(partitions=partitions))
         stop = asyncio.Event()
         async with asyncio.TaskGroup() as tg:
-            for host in ("host-a", "host-b"):
+            tg.create_task(beat_hosts(bus))
+            for host in FAKE_HOSTS:
                 tg.create_task(answer_commands(bus, host, stop))
             if publish_keys:
                 tg.create_task(_publish_on_go(bus, publish_keys))
@@ -234,9 +256,8 @@ async def _run_decisions(keys: int, partitions: int) -> dict[str, object]:
         sync_rate, async_rate = await raw_publish_rates(bus, raw_n)
         raw_cpu_before = await raw_async_publish_cpu_us(bus, raw_n)
         hosts = await bus.js.key_value(subjects.kv_hosts)
-        for host in ("host-a", "host-b"):
-            beat = HostHeartbeat(host, "sim", 100000, 100000, 10**9, 10**9, 0, time.time())
-            await hosts.put(host, encode(beat))
+        for host in FAKE_HOSTS:  # live from the start; the fake agents' process keeps them so
+            await hosts.put(host, encode(fake_heartbeat(host)))
         gateway = NullGateway()
         pods = bench_pods(keys)
         for i, key in enumerate(pods):

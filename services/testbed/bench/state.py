@@ -75,6 +75,9 @@ async def _state_child(url: str, keys: int, data_dir: str, rec_id: str, partitio
     from services.reconciler.kube import NullGateway
     from services.reconciler.service import Reconciler
     from services.testbed.bench.command import (
+        FAKE_HOSTS,
+        HEARTBEAT_EVERY_S,
+        fake_heartbeat,
         idle_bound_keys,
         publish_pod_observations,
         until_hosts_live,
@@ -82,7 +85,7 @@ async def _state_child(url: str, keys: int, data_dir: str, rec_id: str, partitio
     )
     from shared.bus.connect import Bus
     from shared.fence.keys import Key
-    from shared.fence.schema import HostHeartbeat, Spec, encode
+    from shared.fence.schema import Spec, encode
     from shared.subjects import Subjects
 
     def say(**kw: Any) -> None:
@@ -103,10 +106,9 @@ async def _state_child(url: str, keys: int, data_dir: str, rec_id: str, partitio
 
     async def beat() -> None:
         while True:
-            for host in ("host-a", "host-b"):
-                hb = HostHeartbeat(host, "sim", 10**7, 10**7, 10**10, 10**10, 0, time.time())
-                await hosts_kv.put(host, encode(hb))
-            await asyncio.sleep(3)
+            for host in FAKE_HOSTS:
+                await hosts_kv.put(host, encode(fake_heartbeat(host)))
+            await asyncio.sleep(HEARTBEAT_EVERY_S)
 
     pods = [Key("pod", "bench", f"pod-{i}") for i in range(keys)]
     gateway = NullGateway(keep_last=0)
