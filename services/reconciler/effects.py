@@ -28,11 +28,14 @@ from shared.fence.schema import (
     CommandResult,
     ConfirmRequested,
     Input,
+    PlaceTimer,
+    SurveyTimer,
     TimerArmed,
     TimerFired,
     WriteDone,
     WriteRequested,
     encode,
+    purpose_text,
 )
 from shared.fence.state import Effect
 from shared.subjects import Subjects
@@ -43,6 +46,8 @@ log = logging.getLogger(__name__)
 RETRY_DELAY_S = 1.0  # after a failed publish/write, before trying the effect again
 QUEUE_LIMIT_PER_KEY = 10_000
 REFUSED_COPIES_LIMIT = 10_000  # refusals remembered for commands not (yet) in our outbox; oldest dropped
+# checks that wait for a host: a placement (no host takes the VM), a survey (no host is live)
+HOST_WAIT_PURPOSES = frozenset({purpose_text(PlaceTimer()), purpose_text(SurveyTimer())})
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,7 @@ class EffectRunner:
         self.gen = gen  # partition -> its writer's generation here, stamped on every command sent
         self._queues: dict[str, collections.deque[Work]] = {}
         self._ready: asyncio.Queue[str] = asyncio.Queue()
-        self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self._timers: dict[tuple[str, str], tuple[asyncio.TimerHandle, TimerArmed]] = {}
         self._halted: set[str] = set()  # quarantined keys: nothing of theirs is carried out
         self.idle = asyncio.Event()
         self.idle.set()
@@ -114,7 +119,20 @@ class EffectRunner:
             self._timers.pop(handle_key, None)
             self.submit(key, _Fire(timer))
 
-        self._timers[handle_key] = loop.call_later(max(0.0, timer.delay_s), fire)
+        self._timers[handle_key] = (loop.call_later(max(0.0, timer.delay_s), fire), timer)
+
+    def fire_host_waits(self) -> int:
+        """Fire every armed check that waits for a host now (a host came live or reports more room),
+        and return how many. A timer only re-checks (rule 12): fired early, it is the same check,
+        sooner, and the pods waiting for a host need not sit out their backoff (``decide.place_retry_s``)."""
+        fired = 0
+        for handle_key, (handle, timer) in list(self._timers.items()):
+            if timer.purpose in HOST_WAIT_PURPOSES:
+                handle.cancel()
+                del self._timers[handle_key]
+                self.submit(handle_key[0], _Fire(timer))
+                fired += 1
+        return fired
 
     def refused_copy(self, key: str, command_id: str, host: str) -> None:
         """``host`` refused an older writer's copy of ``command_id``: ours goes under our generation."""
@@ -124,7 +142,7 @@ class EffectRunner:
             self._refused.popitem(last=False)
 
     def cancel_partition(self, partition: int) -> None:
-        for (key, tid), handle in list(self._timers.items()):
+        for (key, tid), (handle, _) in list(self._timers.items()):
             if self.subjects.partition(key) == partition:
                 handle.cancel()
                 del self._timers[(key, tid)]
@@ -142,7 +160,7 @@ class EffectRunner:
         q = self._queues.get(key)
         if q is not None:
             q.clear()
-        for (k, tid), handle in list(self._timers.items()):
+        for (k, tid), (handle, _) in list(self._timers.items()):
             if k == key:
                 handle.cancel()
                 del self._timers[(k, tid)]
@@ -158,7 +176,7 @@ class EffectRunner:
             await join([tg.create_task(self._worker()) for _ in range(self.workers)], what="effect worker")
 
     def close(self) -> None:
-        for handle in self._timers.values():
+        for handle, _ in self._timers.values():
             handle.cancel()
         self._timers.clear()
 

@@ -37,6 +37,9 @@ class HostsView:
     stale_after_s: float = 15.0
     hosts: dict[str, _Host] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # set when a host comes live (new, or back after stale_after_s) or reports more free CPUs or
+    # memory than before: pods waiting for room are worth checking again (Reconciler._place_again)
+    roomier: asyncio.Event = field(default_factory=asyncio.Event)
     _live: list[HostView] | None = None
     _live_at: float = 0.0
 
@@ -47,7 +50,12 @@ class HostsView:
         return id(self)
 
     def update(self, beat: HostHeartbeat) -> None:
-        self.hosts[beat.host] = _Host(beat, time.monotonic())
+        now = time.monotonic()
+        old = self.hosts.get(beat.host)
+        if (old is None or now - old.seen >= self.stale_after_s or beat.cpus_free > old.beat.cpus_free
+                or beat.memory_free_mib > old.beat.memory_free_mib):
+            self.roomier.set()
+        self.hosts[beat.host] = _Host(beat, now)
         self._live = None
         self.changed.set()
 

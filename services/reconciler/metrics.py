@@ -49,6 +49,10 @@ APPEND_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
 LOST_RACES = Counter("vmfence_append_lost_races_total", "Appends that lost the expected-sequence race")
+PLACE_CHECKS_EARLY = Counter(
+    "vmfence_place_checks_early_total",
+    "Checks of pods waiting for a host (placement, survey), fired early because a host came live or has more room",
+)
 PARTITIONS_OWNED = Gauge("vmfence_partitions_owned", "Partitions this reconciler holds", ["reconciler"])
 LEASE_LOST = Counter("vmfence_lease_lost_total", "Partition leases lost while held", ["reconciler"])
 DEAD_LETTERS = Counter("vmfence_dead_letters_total", "Messages parked in the DLQ", ["reason"])

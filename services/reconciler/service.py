@@ -37,7 +37,7 @@ from shared.bus.leases import LeaseLost, PartitionLease
 from shared.bus.provision import ProvisionFailed, StreamsConfig, provision
 from shared.bus.retry import backoff_delay
 from shared.config import EXIT_CONFIG, start
-from shared.fence.decide import DecideEnv
+from shared.fence.decide import PLACE_RETRY_S, DecideEnv
 from shared.fence.drift import DriftReport, HostVM, InventoryAnswer, drift
 from shared.fence.keys import Key
 from shared.fence.schema import Input
@@ -166,8 +166,9 @@ class Reconciler:
                 lease_watch = tg.create_task(self._watch_leases(leases_kv))
                 fleet_task = tg.create_task(self._fleet_loop(leases_kv, gateway))
                 drift_task = tg.create_task(self._drift_loop())
+                place_task = tg.create_task(self._place_again(self.effects))
                 await self._stop.wait()
-                await cancel_and_wait([drift_task, lease_task, lease_watch], what="lease loop")
+                await cancel_and_wait([drift_task, place_task, lease_task, lease_watch], what="lease loop")
                 await self._release_all()
                 await cancel_and_wait([fleet_task, snap_task, hosts_task, effects_task], what="reconciler loop")
                 self.drift_counts = None  # holds no keys: judges nothing
@@ -430,6 +431,21 @@ class Reconciler:
             except Exception as exc:
                 log.warning("fleet sync failed: %r", exc)
             await asyncio.sleep(interval)
+
+    # ------------------------------------------------------------------------- hosts
+    async def _place_again(self, effects: EffectRunner) -> None:
+        """When a host comes live or reports more room, the pods waiting for one (to be placed, or
+        for a live host to survey) are checked at once rather than at the end of their backoff
+        (``decide.place_retry_s``, up to a minute); at most once per PLACE_RETRY_S, so a busy
+        fleet's heartbeats check them no more often than the first retry would."""
+        while True:
+            await self.hosts.roomier.wait()
+            self.hosts.roomier.clear()
+            fired = effects.fire_host_waits()
+            if fired:
+                log.info("a host came live or has more room: %d check(s) for a host now", fired)
+                metrics.PLACE_CHECKS_EARLY.inc(fired)
+            await asyncio.sleep(PLACE_RETRY_S)  # a bound on the rate, not a synchronisation
 
     # ------------------------------------------------------------------------- drift
     async def _drift_loop(self) -> None:

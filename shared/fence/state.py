@@ -99,6 +99,7 @@ class Incarnation(msgspec.Struct, omit_defaults=True):
     failure: str | None = None
     failure_repeats: int = 0  # of those, the last ones in a row that failed for ``failure``
     unplaced: str | None = None  # why no host takes its VM now (the last Skipped(no_host)); None once placed
+    unplaced_tries: int = 0  # Skipped(no_host) since it was last placed: the place timer's backoff
     hibernated_vm: str | None = None  # the VM a hibernation saved (its host holds the snapshot and address)
 
 
@@ -215,6 +216,7 @@ def _released(s: KeyState, d: Released) -> None:
 def _skipped(s: KeyState, d: Skipped) -> None:
     if d.reason == "no_host" and s.cur is not None and s.cur.fence.uid == d.uid:
         s.cur.unplaced = d.detail
+        s.cur.unplaced_tries += 1
 
 
 def _ready_changed(s: KeyState, d: ReadyChanged) -> None:
@@ -242,7 +244,7 @@ def _placed(s: KeyState, d: Placed) -> None:
     s.vms[vm_id] = VMRec(vm_id=vm_id, host=host, fence=f, state="creating")
     if (c := _cur_for(s, f)) is not None:
         c.vm_id, c.host, c.bound, c.gen = vm_id, host, False, c.gen + 1
-        c.unplaced = None
+        c.unplaced, c.unplaced_tries = None, 0
 
 
 def _bound(s: KeyState, d: Bound) -> None:

@@ -3,7 +3,7 @@ an unscheduled pod first, and waiting for a predecessor's VM."""
 
 from __future__ import annotations
 
-from shared.fence.decide.run import PLACE_RETRY_S, DecideEnv, _arm, _command, _event, _place_pending, _Run
+from shared.fence.decide.run import DecideEnv, _arm, _command, _event, _place_pending, _Run, place_retry_s
 from shared.fence.schema import (
     Fence,
     KubeWrite,
@@ -96,12 +96,14 @@ def _binding(s: KeyState, fence: Fence) -> bool:
 
 def _unplaced(run: _Run, cur: Incarnation, why: str, *, retry: bool = True) -> None:
     """No host takes the VM now: logged with why (the pod's status says it), a Warning Event the
-    first time that reason appears, and a place timer re-checks (rule 12: never a VM elsewhere)."""
+    first time that reason appears, and a place timer re-checks (rule 12: never a VM elsewhere),
+    backing off per check in a row that found no host (``place_retry_s``)."""
     if cur.unplaced != why:
         _event(run, cur.fence, "FailedPlacement", why, warning=True)
+    delay = place_retry_s(cur.unplaced_tries)  # before the Skipped below counts this check
     run.add(Skipped("no_host", cur.fence.uid, why))
     if retry:
-        _arm(run, cur.fence, PlaceTimer(), PLACE_RETRY_S)
+        _arm(run, cur.fence, PlaceTimer(), delay)
 
 
 def _verify_first(run: _Run) -> bool:

@@ -36,6 +36,19 @@ from shared.fence.state import Incarnation, KeyState, fold
 PLACE_RETRY_S = 2.0
 
 
+# A pod no host takes is checked again after a delay that doubles per check in a row that found none,
+# from PLACE_RETRY_S up to PLACE_RETRY_MAX_S: a fleet whose hosts are all gone does not log an entry
+# per pending pod every 2 s for as long as it lasts. The reconciler fires these timers early when a
+# host comes live or reports more room (services.reconciler.hosts), so the cap bounds only what no
+# heartbeat shows; the kube-scheduler backs off unschedulable pods and requeues them on node events alike.
+PLACE_RETRY_MAX_S = 60.0
+
+
+def place_retry_s(tries: int) -> float:
+    """The delay before the placement check that follows ``tries`` checks in a row with no host."""
+    return min(PLACE_RETRY_S * 2.0 ** min(max(tries, 0), 32), PLACE_RETRY_MAX_S)
+
+
 EFFECT_RETRY_S = 1.0
 
 
