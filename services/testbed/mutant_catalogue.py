@@ -774,6 +774,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "key is not loaded into it",
         ("tests/reconciler/test_images.py",),
     ),
+    Mutant(
+        "placement-backoff-kept-once-placed", STATE,
+        "        c.unplaced, c.unplaced_tries = None, 0\n",
+        "        c.unplaced = None\n",
+        "rule 12: a placement check backs off only while no host takes the pod; once placed, its next "
+        "wait for a host starts again from the first delay",
+        ("tests/unit/test_place_backoff.py",),
+    ),
+    Mutant(
+        "host-waits-left-to-their-backoff", "services/reconciler/service.py",
+        "            fired = effects.fire_host_waits()\n",
+        "            fired = 0\n",
+        "rule 12: the checks waiting for a host are fired when one comes live or has more room, not "
+        "left to a backoff of up to a minute",
+        ("tests/reconciler/test_place_again.py",),
+    ),
 )
 
 # run by tests/unit/test_mutants_sample.py in CI: fast kills (a few seconds each), several modules
