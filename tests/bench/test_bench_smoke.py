@@ -176,3 +176,15 @@ async def test_stages_of_a_pods_time_to_bound(tmp_path: Path) -> None:
         got = r["stages_s"][stage]
         assert all(is_number(got[p]) for p in ("p50", "p90", "p99")), (stage, got)
     assert 0 < r["stages_s"]["total"]["p50"] <= r["stages_s"]["total"]["p99"]
+
+
+async def test_pods_waiting_for_a_host_back_off(tmp_path: Path) -> None:
+    """`python -m services.testbed.bench.waiting`: pods whose node never comes are checked at 2 s and
+    6 s after admission within 10 s (the backoff doubles), not every 2 s (five checks)."""
+    from services.testbed.bench.waiting import run_waiting
+
+    r = await run_waiting(20, 10.0, str(tmp_path))
+    (mark,) = r["entries_every_10s"]  # type: ignore[misc]
+    checks = (mark - r["entries_when_admitted"]) / 20  # type: ignore[operator]
+    assert 1 <= checks <= 3, r
+    assert r["reconciler_cpu_s"] > 0

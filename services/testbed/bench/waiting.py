@@ -1,0 +1,110 @@
+"""What pods waiting for a host cost while they wait: log entries and reconciler CPU.
+
+``python -m services.testbed.bench.waiting PODS SECONDS`` runs a real nats-server, the fake agents'
+process (host-a and host-b live, heartbeating) and a reconciler in this process, then admits PODS
+pods bound to a node that never comes (``vmfence-host-z``) and prints JSON: the log's entry count
+every 10 s of SECONDS and the reconciler process's CPU over them. Each check that finds no host is
+an entry (``Skipped(no_host)`` and the next place timer); its backoff (``decide.place_retry_s``)
+sets how many a fleet that lost its hosts appends for as long as it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+
+from services.testbed.bench.command import FAKE_HOSTS, fake_heartbeat, until_hosts_live
+from services.testbed.natsserver import start_nats
+from shared.bus.connect import Bus
+from shared.bus.provision import StreamsConfig, provision
+from shared.fence.keys import Key
+from shared.fence.schema import Observed, Spec, encode
+from shared.subjects import Subjects
+from shared.tasks import run_main
+
+PARTITIONS = 4
+MARK_EVERY_S = 10.0
+DEAD_NODE = "vmfence-host-z"  # no agent of that name ever heartbeats
+
+
+async def run_waiting(pods: int, seconds: float, tmp: str | None = None) -> dict[str, object]:
+    from services.reconciler.config import ReconcilerConfig
+    from services.reconciler.kube import NullGateway
+    from services.reconciler.service import Reconciler
+
+    tmp = tmp or tempfile.mkdtemp(prefix="vmfence-bench-")
+    server = await start_nats(store_dir=os.path.join(tmp, "nats"))
+    agents = None
+    try:
+        subjects = Subjects(partitions=PARTITIONS)
+        bus = await Bus.open(server.url, name="bench-waiting", subjects=subjects)
+        await provision(bus.js, subjects, StreamsConfig(partitions=PARTITIONS))
+        hosts = await bus.js.key_value(subjects.kv_hosts)
+        for host in FAKE_HOSTS:
+            await hosts.put(host, encode(fake_heartbeat(host)))
+        agents = await asyncio.create_subprocess_exec(
+            sys.executable, "-c",
+            f"from services.testbed.bench.command import fake_agents_main; "
+            f"fake_agents_main({server.url!r}, {PARTITIONS})",
+        )
+        spec = Spec(node=DEAD_NODE)
+        keys = [Key("pod", "bench", f"waiting-{i}") for i in range(pods)]
+        gateway = NullGateway()
+        for i, key in enumerate(keys):
+            gateway.objects[str(key)] = (f"uid-{i:08d}", 1, spec)
+        cfg = ReconcilerConfig(nats_url=[server.url], partitions=PARTITIONS, id="bench-waiting",
+                               data_dir=os.path.join(tmp, "rec"), kube="none", http_port=0)
+        rec = Reconciler(cfg, gateway=gateway, health=False)
+
+        async def log_entries() -> int:
+            return int((await bus.js.stream_info(subjects.stream_log)).state.messages)
+
+        async with asyncio.TaskGroup() as tg:
+            run = tg.create_task(rec.run())
+            await asyncio.wait_for(rec.ready.wait(), 60)
+            await until_hosts_live(rec)
+            for i, key in enumerate(keys):
+                obs = Observed(str(key), f"uid-{i:08d}", 1, spec=spec)
+                await bus.js.publish(subjects.observation(key), encode(obs), timeout=10)
+            at_start = await log_entries()
+            while at_start < pods:  # until each pod is admitted (its first check is in that entry)
+                await asyncio.sleep(0.1)  # the server's count is polled: no event says so
+                at_start = await log_entries()
+            cpu_start = time.process_time()
+            marks = []
+            for _ in range(max(1, int(seconds // MARK_EVERY_S))):
+                await asyncio.sleep(MARK_EVERY_S)  # the period sampled, not a synchronisation
+                marks.append(await log_entries())
+            cpu = time.process_time() - cpu_start
+            rec.stop()
+            await run
+        await bus.close()
+    finally:
+        if agents is not None:
+            agents.terminate()
+            await agents.wait()
+        await server.stop()
+    span = MARK_EVERY_S * len(marks)
+    return {
+        "bench": "waiting",
+        "pods": pods,
+        "seconds": span,
+        "entries_when_admitted": at_start,
+        "entries_every_10s": marks,
+        "entries_per_pod_per_minute": round((marks[-1] - at_start) / max(1, pods) * 60.0 / span, 2),
+        "reconciler_cpu_s": round(cpu, 2),
+    }
+
+
+def main(argv: list[str]) -> int:
+    pods, seconds = int(argv[0]), float(argv[1])
+    print(json.dumps(run_main(run_waiting(pods, seconds))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
