@@ -74,6 +74,7 @@ VERIFICATION_PY = "services/reconciler/verification.py"
 DECIDE_BRINGUP = "shared/fence/decide/bringup.py"
 DECIDE_CONFIRMATION = "shared/fence/decide/confirmation.py"
 DECIDE_DELETES = "shared/fence/decide/deletes.py"
+DECIDE_INVENTORY = "shared/fence/decide/inventory.py"
 DECIDE_LIFECYCLE = "shared/fence/decide/lifecycle.py"
 DECIDE_OBSERVATIONS = "shared/fence/decide/observations.py"
 DECIDE_RESULTS = "shared/fence/decide/results.py"
@@ -789,6 +790,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "rule 12: the checks waiting for a host are fired when one comes live or has more room, not "
         "left to a backoff of up to a minute",
         ("tests/reconciler/test_place_again.py",),
+    ),
+    Mutant(
+        "survey-without-hosts-never-backs-off", DECIDE_INVENTORY,
+        "        _arm(run, fence, SurveyTimer(), min(max(PLACE_RETRY_S, 2 * last), PLACE_RETRY_MAX_S))\n",
+        "        _arm(run, fence, SurveyTimer(), PLACE_RETRY_S)\n",
+        "rule 12: a survey that finds no live host to ask backs off as placement does, not every 2 s for "
+        "as long as the fleet is gone",
+        ("tests/unit/test_place_backoff.py",),
     ),
 )
 

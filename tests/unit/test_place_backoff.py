@@ -48,3 +48,24 @@ def test_the_backoff_starts_again_once_the_pod_is_placed() -> None:
     (create,) = d.commands("create")
     assert create.host == "host-a"
     assert d.state.cur.unplaced_tries == 0 and d.state.cur.unplaced is None
+
+
+def _survey_delays(out: list) -> list[float]:  # type: ignore[type-arg]
+    return [t.delay_s for t in of(out, TimerArmed) if t.purpose == "survey"]
+
+
+def test_a_survey_with_no_live_host_waits_twice_as_long_each_time_and_goes_out_when_one_is() -> None:
+    """An unverified key (loaded from a log that may have lost a tail) surveys every host before its
+    first VM; with none live it asks again after 2, 4, 8 … up to 60 s, not every 2 s."""
+    d = Driver(env=DecideEnv(hosts=[]))
+    d.state.unverified = True
+    delays = _survey_delays(d.admit("u1"))
+    for _ in range(6):
+        (timer,) = [t for t in d.timers() if t.purpose == "survey"]
+        delays += _survey_delays(d.feed(TimerFired(timer.fence, timer.timer_id)))
+    assert delays == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+    assert d.commands("survey") == []
+    d.env = DecideEnv(hosts=[A])
+    (timer,) = [t for t in d.timers() if t.purpose == "survey"]
+    d.feed(TimerFired(timer.fence, timer.timer_id))
+    assert [c.host for c in d.commands("survey")] == ["host-a"]

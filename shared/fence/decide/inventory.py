@@ -3,7 +3,7 @@ the epoch bounds and the evidence of a cut, the rebuild and its survey."""
 
 from __future__ import annotations
 
-from shared.fence.decide.run import PLACE_RETRY_S, DecideEnv, _arm, _command, _copy, _Run
+from shared.fence.decide.run import PLACE_RETRY_MAX_S, PLACE_RETRY_S, DecideEnv, _arm, _command, _copy, _Run
 from shared.fence.schema import (
     ABSENT,
     MAX_EPOCH,
@@ -207,7 +207,10 @@ def _survey(run: _Run) -> None:
     owner = s.cur.fence.uid if s.cur is not None else s.epoch_uid
     fence = Fence(s.key, "" if owner == NO_INCARNATION else owner, s.epoch)
     if not run.env.hosts:
-        _arm(run, fence, SurveyTimer(), PLACE_RETRY_S)
+        # no live host to ask: again after twice the wait that just ended (2 s, 4 s, … up to a
+        # minute), as placement backs off; a host coming live fires it at once (the reconciler)
+        last = run.fired.delay_s if run.fired is not None and isinstance(run.fired.timer, SurveyTimer) else 0.0
+        _arm(run, fence, SurveyTimer(), min(max(PLACE_RETRY_S, 2 * last), PLACE_RETRY_MAX_S))
         return
     for host in run.env.hosts:
         _command(run, "survey", fence, host.name, SURVEY_VM_ID, None)

@@ -101,6 +101,7 @@ class _Run:
         self.out: list[Decision] = []
         self.inp = inp
         self._tag: str | None = None
+        self.fired: TimerArmed | None = None  # the armed timer whose firing is being decided
 
     def add(self, d: Decision) -> None:
         self.out.append(d)

@@ -183,6 +183,7 @@ def _on_timer(run: _Run, t: TimerFired) -> None:
     if not isinstance(armed, TimerArmed):
         return
     run.add(Done(t.timer_id, "fired"))
+    run.fired = armed
     purpose = armed.timer
     kind = type(purpose)
     if kind in _KEY_TIMERS:
