@@ -121,13 +121,14 @@ class EffectRunner:
 
         self._timers[handle_key] = (loop.call_later(max(0.0, timer.delay_s), fire), timer)
 
-    def fire_host_waits(self) -> int:
-        """Fire every armed check that waits for a host now (a host came live or reports more room),
-        and return how many. A timer only re-checks (rule 12): fired early, it is the same check,
-        sooner, and the pods waiting for a host need not sit out their backoff (``decide.place_retry_s``)."""
+    def fire_host_waits(self, worth: Callable[[str, TimerArmed], bool] = lambda key, timer: True) -> int:
+        """Fire now every armed check that waits for a host and that ``worth`` says a host that came
+        live or has more room could answer, and return how many. A timer only re-checks (rule 12):
+        fired early, it is the same check, sooner, and the pods waiting for a host need not sit out
+        their backoff (``decide.place_retry_s``)."""
         fired = 0
         for handle_key, (handle, timer) in list(self._timers.items()):
-            if timer.purpose in HOST_WAIT_PURPOSES:
+            if timer.purpose in HOST_WAIT_PURPOSES and worth(handle_key[0], timer):
                 handle.cancel()
                 del self._timers[handle_key]
                 self.submit(handle_key[0], _Fire(timer))

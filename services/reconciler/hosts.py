@@ -14,13 +14,25 @@ import msgspec
 from nats.js.kv import KeyValue
 
 from services.reconciler import metrics
-from shared.fence.decide import HostView
-from shared.fence.schema import HostHeartbeat
+from shared.fence.decide import HostView, placeable
+from shared.fence.schema import HostHeartbeat, PlaceTimer, TimerArmed, purpose_text
+from shared.fence.state import KeyState
 
 log = logging.getLogger(__name__)
 
 _decoder = msgspec.json.Decoder(HostHeartbeat)
 LIVE_CACHE_S = 0.5
+PLACE_PURPOSE = purpose_text(PlaceTimer())
+
+
+def worth_checking(roomier: list[HostView], state: KeyState | None, timer: TimerArmed) -> bool:
+    """Whether a check waiting for a host is worth firing now that ``roomier`` came live or have
+    more room: a survey waits for any live host; a placement only for one of them that could take
+    the pod (``decide.placeable``: a pod bound to a dead node waits for that node, and checking it
+    each time another host frees room would undo its backoff). A key not at hand is checked."""
+    if timer.purpose != PLACE_PURPOSE or state is None or state.cur is None:
+        return True
+    return placeable(roomier, state.cur.spec)
 
 
 @dataclass
@@ -38,8 +50,10 @@ class HostsView:
     hosts: dict[str, _Host] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     # set when a host comes live (new, or back after stale_after_s) or reports more free CPUs or
-    # memory than before: pods waiting for room are worth checking again (Reconciler._place_again)
+    # memory than before, and those hosts: pods they could take are worth checking again
+    # (Reconciler._place_again, which takes them with ``take_roomier``)
     roomier: asyncio.Event = field(default_factory=asyncio.Event)
+    roomier_hosts: set[str] = field(default_factory=set)
     _live: list[HostView] | None = None
     _live_at: float = 0.0
 
@@ -54,10 +68,17 @@ class HostsView:
         old = self.hosts.get(beat.host)
         if (old is None or now - old.seen >= self.stale_after_s or beat.cpus_free > old.beat.cpus_free
                 or beat.memory_free_mib > old.beat.memory_free_mib):
+            self.roomier_hosts.add(beat.host)
             self.roomier.set()
         self.hosts[beat.host] = _Host(beat, now)
         self._live = None
         self.changed.set()
+
+    def take_roomier(self) -> set[str]:
+        """The hosts that came live or have more room since the last call (and clear the signal)."""
+        hosts, self.roomier_hosts = self.roomier_hosts, set()
+        self.roomier.clear()
+        return hosts
 
     def remove(self, host: str) -> None:
         self.hosts.pop(host, None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -27,7 +28,7 @@ from nats.js.kv import KeyValue
 from services.reconciler import metrics
 from services.reconciler.config import ReconcilerConfig
 from services.reconciler.effects import EffectRunner
-from services.reconciler.hosts import HostsView
+from services.reconciler.hosts import HostsView, worth_checking
 from services.reconciler.images import ImageStore
 from services.reconciler.kube import KubeGateway
 from services.reconciler.partition import Partition
@@ -37,10 +38,10 @@ from shared.bus.leases import LeaseLost, PartitionLease
 from shared.bus.provision import ProvisionFailed, StreamsConfig, provision
 from shared.bus.retry import backoff_delay
 from shared.config import EXIT_CONFIG, start
-from shared.fence.decide import PLACE_RETRY_S, DecideEnv
+from shared.fence.decide import PLACE_RETRY_S, DecideEnv, HostView
 from shared.fence.drift import DriftReport, HostVM, InventoryAnswer, drift
 from shared.fence.keys import Key
-from shared.fence.schema import Input
+from shared.fence.schema import Input, TimerArmed
 from shared.fence.state import KeyState
 from shared.httpserve import HealthServer, ListenError
 from shared.subjects import Subjects
@@ -434,20 +435,27 @@ class Reconciler:
 
     # ------------------------------------------------------------------------- hosts
     async def _place_again(self, effects: EffectRunner) -> None:
-        """When a host comes live or reports more room, the pods waiting for one (to be placed, or
-        for a live host to survey) are checked at once rather than at the end of their backoff
-        (``decide.place_retry_s``, up to a minute); at most once per PLACE_RETRY_S, so a busy
-        fleet's heartbeats check them no more often than the first retry would."""
+        """When a host comes live or reports more room, the pods waiting for one that it could take
+        (``decide.placeable``), and the keys waiting for any live host to survey, are checked at
+        once rather than at the end of their backoff (``decide.place_retry_s``, up to a minute); at
+        most once per PLACE_RETRY_S. A pod bound to a dead node is not checked each time another
+        host frees room: in a busy fleet that would undo its backoff."""
         while True:
             await self.hosts.roomier.wait()
-            self.hosts.roomier.clear()
-            fired = effects.fire_host_waits()
+            roomier = self.hosts.take_roomier()
+            views = [h for h in self.hosts.live() if h.name in roomier]
+            fired = effects.fire_host_waits(functools.partial(self._worth_checking, views))
             if fired:
                 log.info("a host came live or has more room: %d check(s) for a host now", fired)
                 metrics.PLACE_CHECKS_EARLY.inc(fired)
             await asyncio.sleep(PLACE_RETRY_S)  # a bound on the rate, not a synchronisation
 
     # ------------------------------------------------------------------------- drift
+    def _worth_checking(self, hosts: list[HostView], key: str, timer: TimerArmed) -> bool:
+        part = self.partitions.get(self.subjects.partition(key))
+        slot = part.keys.get(key) if part is not None else None
+        return worth_checking(hosts, slot.peek() if slot is not None else None, timer)
+
     async def _drift_loop(self) -> None:
         """Every ``drift_interval_s``: the held keys against every live host's inventory."""
         interval = self.cfg.drift_interval_s

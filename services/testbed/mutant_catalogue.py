@@ -785,10 +785,18 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "host-waits-left-to-their-backoff", "services/reconciler/service.py",
-        "            fired = effects.fire_host_waits()\n",
+        "            fired = effects.fire_host_waits(functools.partial(self._worth_checking, views))\n",
         "            fired = 0\n",
         "rule 12: the checks waiting for a host are fired when one comes live or has more room, not "
         "left to a backoff of up to a minute",
+        ("tests/reconciler/test_place_again.py",),
+    ),
+    Mutant(
+        "host-waits-fired-for-pods-no-roomier-host-can-take", "services/reconciler/hosts.py",
+        "    return placeable(roomier, state.cur.spec)\n",
+        "    return True\n",
+        "rule 12: a placement check fired early is one that a host that came live or has more room could "
+        "answer; a pod bound to a dead node is not checked each time another host frees room",
         ("tests/reconciler/test_place_again.py",),
     ),
     Mutant(

@@ -13,13 +13,14 @@ import pytest
 import shared.fence.decide.run as decide_run
 from services.reconciler.config import ReconcilerConfig
 from services.reconciler.effects import EffectRunner
-from services.reconciler.hosts import HostsView
+from services.reconciler.hosts import HostsView, worth_checking
 from services.reconciler.kube import NullGateway
 from services.reconciler.service import Reconciler
 from shared.bus.connect import Bus
+from shared.fence.decide import HostView
 from shared.fence.keys import Key
 from shared.fence.schema import Fence, HostHeartbeat, RetryTimer, Spec, SurveyTimer, TimerArmed, purpose_text
-from shared.fence.state import KeyState
+from shared.fence.state import Incarnation, KeyState
 from tests.reconciler.helpers import observe, sim_agent, wait_until
 
 PARTITIONS = 1  # as the bus fixture provisions
@@ -32,14 +33,16 @@ def _beat(host: str, cpus_free: int = 8, memory_free_mib: int = 8192) -> HostHea
 def test_a_host_new_back_or_with_more_room_makes_the_view_roomier() -> None:
     view = HostsView(stale_after_s=15.0)
     view.update(_beat("host-a"))
+    view.update(_beat("host-b"))
     assert view.roomier.is_set(), "a new host"
-    view.roomier.clear()
+    assert view.take_roomier() == {"host-a", "host-b"} and not view.roomier.is_set()
+    assert view.take_roomier() == set()
     view.update(_beat("host-a"))
     view.update(_beat("host-a", cpus_free=4))
     assert not view.roomier.is_set(), "the same room, or less, checks nothing again"
     view.update(_beat("host-a", cpus_free=6))
     assert view.roomier.is_set(), "more CPUs free"
-    view.roomier.clear()
+    assert view.take_roomier() == {"host-a"}
     view.update(_beat("host-a", cpus_free=6, memory_free_mib=8192))
     assert not view.roomier.is_set()
     view.hosts["host-a"].seen -= 16.0  # its heartbeats stopped for longer than stale_after_s
@@ -60,7 +63,32 @@ async def test_only_checks_waiting_for_a_host_are_fired_early(bus: Bus) -> None:
     assert runner.fire_host_waits() == 2
     assert fired == [("default/a", "timer:place:1"), ("default/a", "timer:survey:3")]
     assert runner.fire_host_waits() == 0, "a timer fires once"
+    runner.submit_all("default/b", [TimerArmed(f, "timer:place:4", 3600.0, "place")])
+    runner.submit_all("default/c", [TimerArmed(f, "timer:place:5", 3600.0, "place")])
+    assert runner.fire_host_waits(lambda key, timer: key == "default/c") == 1
+    assert fired[-1] == ("default/c", "timer:place:5")
     runner.close()
+
+
+def _waiting(spec: Spec) -> KeyState:
+    return KeyState("default/a", cur=Incarnation(fence=Fence("default/a", "u1", 1), spec=spec, unplaced="no host"))
+
+
+def test_a_placement_is_checked_early_only_for_a_host_that_could_take_the_pod() -> None:
+    """A pod bound to a dead node waits for that node: another host freeing room does not check it
+    (each time would undo its backoff in a busy fleet); its own node, or any host with room for an
+    unbound pod, does. A survey waits for any live host."""
+    a, b, full_b = HostView("host-a", 8, 8192), HostView("host-b", 8, 8192), HostView("host-b", 0, 0)
+    place = TimerArmed(Fence("default/a", "u1", 1), "timer:place:1", 60.0, "place")
+    survey = TimerArmed(Fence("default/a", "u1", 1), "timer:survey:1", 60.0, "survey")
+    on_a = _waiting(Spec(node="vmfence-host-a"))
+    assert not worth_checking([b], on_a, place)
+    assert worth_checking([a], on_a, place)
+    unbound = _waiting(Spec(cpus=2))
+    assert worth_checking([b], unbound, place)
+    assert not worth_checking([full_b], unbound, place)
+    assert worth_checking([b], on_a, survey)
+    assert worth_checking([b], None, place), "a key not at hand is checked: the check decides"
 
 
 def _place_armed(rec: Reconciler, key: Key) -> bool:

@@ -106,7 +106,7 @@ module re-exports the public names.
 
 from __future__ import annotations
 
-from shared.fence.decide.bringup import NODE_PREFIX, node_of
+from shared.fence.decide.bringup import NODE_PREFIX, node_of, placeable
 from shared.fence.decide.inventory import agent_epoch, cut_evidence, epoch_out_of_bounds, rebuild
 from shared.fence.decide.run import (
     CREATE_BACKOFF_BASE_S,
@@ -165,6 +165,7 @@ __all__ = [
     "epoch_out_of_bounds",
     "node_of",
     "place_retry_s",
+    "placeable",
     "rebuild",
     "status_of",
     "within_bounds",

@@ -3,7 +3,18 @@ an unscheduled pod first, and waiting for a predecessor's VM."""
 
 from __future__ import annotations
 
-from shared.fence.decide.run import DecideEnv, _arm, _command, _event, _place_pending, _Run, place_retry_s
+from collections.abc import Sequence
+
+from shared.fence.decide.run import (
+    DecideEnv,
+    HostView,
+    _arm,
+    _command,
+    _event,
+    _place_pending,
+    _Run,
+    place_retry_s,
+)
 from shared.fence.schema import (
     Fence,
     KubeWrite,
@@ -155,6 +166,13 @@ def _place(env: DecideEnv, spec: Spec) -> tuple[str | None, str]:
             return None, f"{what} has no room for this VM ({size})"
         return None, f"no live vmfence host has room for this VM ({size})"
     return min(fits, key=lambda h: (h.vms, -h.memory_free_mib, h.name)).name, ""
+
+
+def placeable(hosts: Sequence[HostView], spec: Spec) -> bool:
+    """Whether one of ``hosts`` would take a VM of ``spec`` now, by the placement rules above: the
+    reconciler asks it of the hosts that came live or have more room, to check again only the pods
+    they could take."""
+    return _place(DecideEnv(hosts=hosts), spec)[0] is not None
 
 
 # The sections' rules call each other (a bring-up may wake, a wake may survey first, a VM found
