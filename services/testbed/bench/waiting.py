@@ -1,21 +1,28 @@
 """What pods waiting for a host cost while they wait: log entries and reconciler CPU.
 
-``python -m services.testbed.bench.waiting PODS SECONDS`` runs a real nats-server, the fake agents'
-process (host-a and host-b live, heartbeating) and a reconciler in this process, then admits PODS
-pods bound to a node that never comes (``vmfence-host-z``) and prints JSON: the log's entry count
-every 10 s of SECONDS and the reconciler process's CPU over them. Each check that finds no host is
-an entry (``Skipped(no_host)`` and the next place timer); its backoff (``decide.place_retry_s``)
-sets how many a fleet that lost its hosts appends for as long as it waits.
+``python -m services.testbed.bench.waiting PODS SECONDS [churn]`` runs a real nats-server, the fake
+agents' process (host-a and host-b live, heartbeating) and a reconciler in this process, then admits
+PODS pods bound to a node that never comes (``vmfence-host-z``) and prints JSON: the log's entry
+count every 10 s of SECONDS and the reconciler process's CPU over them. Each check that finds no
+host is an entry (``Skipped(no_host)`` and the next place timer); its backoff
+(``decide.place_retry_s``) sets how many a fleet that lost its hosts appends for as long as it
+waits. With ``churn``, host-a also reports more free room every second, as a busy host whose VMs
+come and go does: the checks fired early (``hosts.worth_checking``) must not include these pods,
+which host-a cannot take.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import sys
 import tempfile
 import time
+from typing import Any
+
+import msgspec
 
 from services.testbed.bench.command import FAKE_HOSTS, fake_heartbeat, until_hosts_live
 from services.testbed.natsserver import start_nats
@@ -24,14 +31,22 @@ from shared.bus.provision import StreamsConfig, provision
 from shared.fence.keys import Key
 from shared.fence.schema import Observed, Spec, encode
 from shared.subjects import Subjects
-from shared.tasks import run_main
+from shared.tasks import cancel_and_wait, run_main
 
 PARTITIONS = 4
 MARK_EVERY_S = 10.0
 DEAD_NODE = "vmfence-host-z"  # no agent of that name ever heartbeats
 
 
-async def run_waiting(pods: int, seconds: float, tmp: str | None = None) -> dict[str, object]:
+async def _churn(hosts: Any) -> None:
+    """host-a reports one more free CPU each second (against its previous report: more room)."""
+    for extra in itertools.count():
+        beat = msgspec.structs.replace(fake_heartbeat("host-a"), cpus_free=10**6 + extra)
+        await hosts.put("host-a", encode(beat))
+        await asyncio.sleep(1.0)  # a period, not a synchronisation
+
+
+async def run_waiting(pods: int, seconds: float, tmp: str | None = None, *, churn: bool = False) -> dict[str, object]:
     from services.reconciler.config import ReconcilerConfig
     from services.reconciler.kube import NullGateway
     from services.reconciler.service import Reconciler
@@ -65,6 +80,7 @@ async def run_waiting(pods: int, seconds: float, tmp: str | None = None) -> dict
 
         async with asyncio.TaskGroup() as tg:
             run = tg.create_task(rec.run())
+            churning = tg.create_task(_churn(hosts)) if churn else None
             await asyncio.wait_for(rec.ready.wait(), 60)
             await until_hosts_live(rec)
             for i, key in enumerate(keys):
@@ -80,6 +96,8 @@ async def run_waiting(pods: int, seconds: float, tmp: str | None = None) -> dict
                 await asyncio.sleep(MARK_EVERY_S)  # the period sampled, not a synchronisation
                 marks.append(await log_entries())
             cpu = time.process_time() - cpu_start
+            if churning is not None:
+                await cancel_and_wait([churning], what="churn")
             rec.stop()
             await run
         await bus.close()
@@ -92,6 +110,7 @@ async def run_waiting(pods: int, seconds: float, tmp: str | None = None) -> dict
     return {
         "bench": "waiting",
         "pods": pods,
+        "churn": churn,
         "seconds": span,
         "entries_when_admitted": at_start,
         "entries_every_10s": marks,
@@ -102,7 +121,7 @@ async def run_waiting(pods: int, seconds: float, tmp: str | None = None) -> dict
 
 def main(argv: list[str]) -> int:
     pods, seconds = int(argv[0]), float(argv[1])
-    print(json.dumps(run_main(run_waiting(pods, seconds))))
+    print(json.dumps(run_main(run_waiting(pods, seconds, churn=argv[2:3] == ["churn"]))))
     return 0
 
 
