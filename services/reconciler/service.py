@@ -450,12 +450,12 @@ class Reconciler:
                 metrics.PLACE_CHECKS_EARLY.inc(fired)
             await asyncio.sleep(PLACE_RETRY_S)  # a bound on the rate, not a synchronisation
 
-    # ------------------------------------------------------------------------- drift
     def _worth_checking(self, hosts: list[HostView], key: str, timer: TimerArmed) -> bool:
         part = self.partitions.get(self.subjects.partition(key))
         slot = part.keys.get(key) if part is not None else None
         return worth_checking(hosts, slot.peek() if slot is not None else None, timer)
 
+    # ------------------------------------------------------------------------- drift
     async def _drift_loop(self) -> None:
         """Every ``drift_interval_s``: the held keys against every live host's inventory."""
         interval = self.cfg.drift_interval_s
