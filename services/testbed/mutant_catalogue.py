@@ -807,6 +807,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "as long as the fleet is gone",
         ("tests/unit/test_place_backoff.py",),
     ),
+    Mutant(
+        "rewrite-never-backs-off", DECIDE_WRITES,
+        "    _arm(run, cur.fence, RewriteTimer(write.verb), rewrite_backoff_s(cur.write_failures))\n",
+        "    _arm(run, cur.fence, RewriteTimer(write.verb), 1.0)\n",
+        "rule 12: a failed Kubernetes write is written again after a backoff that doubles per failure in a "
+        "row, not every second for as long as the failure lasts",
+        ("tests/unit/test_rewrite_backoff.py",),
+    ),
+    Mutant(
+        "rewrite-backoff-kept-after-a-write-takes", STATE,
+        "        c.write_failures = c.write_failures + 1 if d.outcome == \"failed\" else 0\n",
+        "        c.write_failures += d.outcome == \"failed\"\n",
+        "rule 12: a write that takes ends the rewrite backoff; the next failure waits the first delay again",
+        ("tests/unit/test_rewrite_backoff.py",),
+    ),
 )
 
 # run by tests/unit/test_mutants_sample.py in CI: fast kills (a few seconds each), several modules

@@ -100,6 +100,7 @@ class Incarnation(msgspec.Struct, omit_defaults=True):
     failure_repeats: int = 0  # of those, the last ones in a row that failed for ``failure``
     unplaced: str | None = None  # why no host takes its VM now (the last Skipped(no_host)); None once placed
     unplaced_tries: int = 0  # Skipped(no_host) since it was last placed: the place timer's backoff
+    write_failures: int = 0  # its Kubernetes writes that failed in a row: the rewrite timer's backoff
     hibernated_vm: str | None = None  # the VM a hibernation saved (its host holds the snapshot and address)
 
 
@@ -154,6 +155,8 @@ def _cur_for(s: KeyState, fence: Fence) -> Incarnation | None:
 def _done(s: KeyState, d: Done) -> None:
     eid = d.effect_id
     done = s.outbox.pop(eid, None)
+    if isinstance(done, WriteRequested) and (c := _cur_for(s, done.write.fence)) is not None:
+        c.write_failures = c.write_failures + 1 if d.outcome == "failed" else 0
     if (
         isinstance(done, Commanded)
         and done.command.op == "survey"

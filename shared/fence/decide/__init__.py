@@ -115,10 +115,12 @@ from shared.fence.decide.run import (
     MAX_CAUSE_CHARS,
     PLACE_RETRY_MAX_S,
     PLACE_RETRY_S,
+    REWRITE_MAX_S,
     DecideEnv,
     HostView,
     create_backoff_s,
     place_retry_s,
+    rewrite_backoff_s,
     status_of,
     within_bounds,
 )
@@ -145,6 +147,7 @@ __all__ = [
     "NODE_PREFIX",
     "PLACE_RETRY_MAX_S",
     "PLACE_RETRY_S",
+    "REWRITE_MAX_S",
     "_CURRENT_TIMERS",
     "_INPUTS",
     "_KEY_TIMERS",
@@ -167,6 +170,7 @@ __all__ = [
     "place_retry_s",
     "placeable",
     "rebuild",
+    "rewrite_backoff_s",
     "status_of",
     "within_bounds",
 ]

@@ -52,6 +52,17 @@ def place_retry_s(tries: int) -> float:
 EFFECT_RETRY_S = 1.0
 
 
+# A Kubernetes write that failed (an API server down or timing out, a 403 of a role the chart
+# forgot) is written again after a delay that doubles per failure in a row, from EFFECT_RETRY_S up
+# to REWRITE_MAX_S: not an entry and a request every second per pod for as long as it lasts.
+REWRITE_MAX_S = 30.0
+
+
+def rewrite_backoff_s(failures: int) -> float:
+    """The delay before the write that follows ``failures`` failed ones in a row."""
+    return min(EFFECT_RETRY_S * 2.0 ** min(max(failures - 1, 0), 32), REWRITE_MAX_S)
+
+
 # A failed bring-up (a missing image, a full disk) is placed again after a backoff that doubles per
 # failure in a row, from CREATE_BACKOFF_BASE_S up to CREATE_BACKOFF_MAX_S (as a kubelet's image-pull
 # backoff), and the count starts again once a VM is bound: never once a second forever.

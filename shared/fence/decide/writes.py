@@ -7,7 +7,7 @@ import msgspec
 from shared.fence.decide.bringup import _bring_up
 from shared.fence.decide.deletes import _delete_path, _forget
 from shared.fence.decide.observations import _request_confirm
-from shared.fence.decide.run import EFFECT_RETRY_S, _arm, _event, _Run
+from shared.fence.decide.run import _arm, _event, _Run, rewrite_backoff_s
 from shared.fence.schema import KubeWrite, RewriteTimer, Skipped, SpecChanged
 from shared.fence.state import Incarnation
 
@@ -42,10 +42,11 @@ def _write_gone(run: _Run, cur: Incarnation, write: KubeWrite) -> None:
 
 
 def _write_failed(run: _Run, cur: Incarnation, write: KubeWrite, node: str | None = None) -> None:
-    """Any other failure: the same write again later (a timer: re-check, never destroy). A binding
+    """Any other failure: the same write again later (a timer: re-check, never destroy), backing
+    off per failure in a row (``rewrite_backoff_s``; the Done before this counted it). A binding
     refused because the pod is bound already (409: a scheduler, or another reconciler, was first)
     names that node: the VM goes there or nowhere, never to the host this binding picked."""
     if write.verb == "bind" and node is not None:
         _bound_to(run, cur, node)
         return
-    _arm(run, cur.fence, RewriteTimer(write.verb), EFFECT_RETRY_S)
+    _arm(run, cur.fence, RewriteTimer(write.verb), rewrite_backoff_s(cur.write_failures))

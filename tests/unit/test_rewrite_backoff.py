@@ -1,0 +1,44 @@
+"""A Kubernetes write that failed (an API server down or timing out, a role the chart forgot) is
+written again after a delay that doubles per failure in a row, up to a cap, and starts again from
+the first once a write of the incarnation takes: not an entry and a request every second per pod
+for as long as the failure lasts."""
+
+from __future__ import annotations
+
+from shared.fence.audit import audit
+from shared.fence.decide import REWRITE_MAX_S, DecideEnv, HostView, rewrite_backoff_s
+from shared.fence.schema import TimerArmed, TimerFired, WriteDone
+from tests.unit.driver import Driver, of
+
+ENV = DecideEnv(hosts=[HostView("host-a", 8, 8192)])
+
+
+def _rewrite_delays(out: list) -> list[float]:  # type: ignore[type-arg]
+    return [t.delay_s for t in of(out, TimerArmed) if t.purpose == "rewrite/bind"]
+
+
+def _fail_and_fire(d: Driver) -> list[float]:
+    """The pending binding fails; its rewrite timer fires (the binding is requested again)."""
+    (bind,) = [w.write for w in d.writes("bind")]
+    delays = _rewrite_delays(d.feed(WriteDone(bind.fence, bind.id, "failed", "503")))
+    (timer,) = [t for t in d.timers() if t.purpose == "rewrite/bind"]
+    d.feed(TimerFired(timer.fence, timer.timer_id))
+    return delays
+
+
+def test_the_delay_doubles_from_one_second_up_to_the_cap() -> None:
+    assert [rewrite_backoff_s(n) for n in range(1, 8)] == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert rewrite_backoff_s(10**6) == REWRITE_MAX_S
+
+
+def test_each_failed_write_in_a_row_waits_twice_as_long_and_a_write_that_takes_starts_again() -> None:
+    d = Driver(env=ENV, auto_bind=False)
+    d.admit("u1")
+    delays = [x for _ in range(7) for x in _fail_and_fire(d)]
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    (bind,) = [w.write for w in d.writes("bind")]
+    d.feed(WriteDone(bind.fence, bind.id, "ok", node="vmfence-host-a"))
+    cur = d.state.cur
+    assert cur is not None and cur.write_failures == 0
+    assert d.commands("create"), "the binding took: the VM is made"
+    assert audit(d.log, final=False).clean
