@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from shared.fence.audit import audit
 from shared.fence.decide import REWRITE_MAX_S, DecideEnv, HostView, rewrite_backoff_s
-from shared.fence.schema import TimerArmed, TimerFired, WriteDone
+from shared.fence.schema import Spec, TimerArmed, TimerFired, WriteDone
 from tests.unit.driver import Driver, of
 
 ENV = DecideEnv(hosts=[HostView("host-a", 8, 8192)])
@@ -41,4 +41,19 @@ def test_each_failed_write_in_a_row_waits_twice_as_long_and_a_write_that_takes_s
     cur = d.state.cur
     assert cur is not None and cur.write_failures == 0
     assert d.commands("create"), "the binding took: the VM is made"
+    assert audit(d.log, final=False).clean
+
+
+def test_a_rewritten_status_is_one_write_saying_why_the_pod_waits() -> None:
+    """The rewrite writes the status the pod should show (a waiting pod's reason and message), once.
+    It wrote the bare status before, beside which the status sync asked for a second write; under
+    failing writes each rewrite then doubled the writes in flight."""
+    d = Driver(env=DecideEnv(hosts=[]))  # host-a is not live: the pod waits
+    d.admit("u1", Spec(node="vmfence-host-a"))
+    for _ in range(4):
+        (status,) = [w.write for w in d.writes("status")]
+        assert status.status is not None and status.status.reason == "Unschedulable"
+        d.feed(WriteDone(status.fence, status.id, "failed", "503"))
+        (timer,) = [t for t in d.timers() if t.purpose == "rewrite/status"]
+        d.feed(TimerFired(timer.fence, timer.timer_id))
     assert audit(d.log, final=False).clean

@@ -1,6 +1,6 @@
 """What pods waiting for a host cost while they wait: log entries and reconciler CPU.
 
-``python -m services.testbed.bench.waiting PODS SECONDS [churn]`` runs a real nats-server, the fake
+``python -m services.testbed.bench.waiting PODS SECONDS [churn] [writes-fail]`` runs a real nats-server, the fake
 agents' process (host-a and host-b live, heartbeating) and a reconciler in this process, then admits
 PODS pods bound to a node that never comes (``vmfence-host-z``) and prints JSON: the log's entry
 count every 10 s of SECONDS and the reconciler process's CPU over them. Each check that finds no
@@ -8,7 +8,8 @@ host is an entry (``Skipped(no_host)`` and the next place timer); its backoff
 (``decide.place_retry_s``) sets how many a fleet that lost its hosts appends for as long as it
 waits. With ``churn``, host-a also reports more free room every second, as a busy host whose VMs
 come and go does: the checks fired early (``hosts.worth_checking``) must not include these pods,
-which host-a cannot take.
+which host-a cannot take. With ``writes-fail``, every Kubernetes write fails too, as while an API
+server is down: each pod's status write is written again after its backoff (``rewrite_backoff_s``).
 """
 
 from __future__ import annotations
@@ -24,18 +25,28 @@ from typing import Any
 
 import msgspec
 
+from services.reconciler.kube import NullGateway
 from services.testbed.bench.command import FAKE_HOSTS, fake_heartbeat, until_hosts_live
 from services.testbed.natsserver import start_nats
 from shared.bus.connect import Bus
 from shared.bus.provision import StreamsConfig, provision
 from shared.fence.keys import Key
-from shared.fence.schema import Observed, Spec, encode
+from shared.fence.schema import KubeWrite, Observed, Spec, WriteDone, encode
 from shared.subjects import Subjects
 from shared.tasks import cancel_and_wait, run_main
 
 PARTITIONS = 4
 MARK_EVERY_S = 10.0
 DEAD_NODE = "vmfence-host-z"  # no agent of that name ever heartbeats
+
+
+class _WritesFail(NullGateway):
+    """An API server that answers every write with a failure (down, or a role the chart forgot)."""
+
+    async def write(self, key: Key, write: KubeWrite) -> WriteDone:
+        self.counts[write.verb] += 1
+        why = "503: the bench's API server is down"
+        return WriteDone(fence=write.fence, write_id=write.id, outcome="failed", detail=why)
 
 
 async def _churn(hosts: Any) -> None:
@@ -46,9 +57,9 @@ async def _churn(hosts: Any) -> None:
         await asyncio.sleep(1.0)  # a period, not a synchronisation
 
 
-async def run_waiting(pods: int, seconds: float, tmp: str | None = None, *, churn: bool = False) -> dict[str, object]:
+async def run_waiting(pods: int, seconds: float, tmp: str | None = None, *, churn: bool = False,
+                      writes_fail: bool = False) -> dict[str, object]:
     from services.reconciler.config import ReconcilerConfig
-    from services.reconciler.kube import NullGateway
     from services.reconciler.service import Reconciler
 
     tmp = tmp or tempfile.mkdtemp(prefix="vmfence-bench-")
@@ -68,7 +79,7 @@ async def run_waiting(pods: int, seconds: float, tmp: str | None = None, *, chur
         )
         spec = Spec(node=DEAD_NODE)
         keys = [Key("pod", "bench", f"waiting-{i}") for i in range(pods)]
-        gateway = NullGateway()
+        gateway = _WritesFail() if writes_fail else NullGateway()
         for i, key in enumerate(keys):
             gateway.objects[str(key)] = (f"uid-{i:08d}", 1, spec)
         cfg = ReconcilerConfig(nats_url=[server.url], partitions=PARTITIONS, id="bench-waiting",
@@ -111,17 +122,20 @@ async def run_waiting(pods: int, seconds: float, tmp: str | None = None, *, chur
         "bench": "waiting",
         "pods": pods,
         "churn": churn,
+        "writes_fail": writes_fail,
         "seconds": span,
         "entries_when_admitted": at_start,
         "entries_every_10s": marks,
         "entries_per_pod_per_minute": round((marks[-1] - at_start) / max(1, pods) * 60.0 / span, 2),
         "reconciler_cpu_s": round(cpu, 2),
+        "kubernetes_writes": dict(gateway.counts),
     }
 
 
 def main(argv: list[str]) -> int:
     pods, seconds = int(argv[0]), float(argv[1])
-    print(json.dumps(run_main(run_waiting(pods, seconds, churn=argv[2:3] == ["churn"]))))
+    flags = set(argv[2:])
+    print(json.dumps(run_main(run_waiting(pods, seconds, churn="churn" in flags, writes_fail="writes-fail" in flags))))
     return 0
 
 

@@ -253,21 +253,26 @@ def status_of(cur: Incarnation) -> PodStatusIntent:
     )
 
 
-def _sync_status(run: _Run) -> None:
-    cur = run.s.cur
-    if cur is None or cur.delete_claim:
-        return
+def wanted_status(s: KeyState, cur: Incarnation) -> PodStatusIntent | None:
+    """The status the pod should show now; None while a pending VM is on its way (nothing worth
+    writing until it is up)."""
     if cur.phase == "Pending" and not cur.invalid and not cur.hibernated:
-        if not _place_pending(run.s, cur.fence):
-            return  # nothing worth writing until the VM is up
+        if not _place_pending(s, cur.fence):
+            return None
         # the VM waits for a place: say why on the pod instead of leaving it silent — the last
         # bring-up's real cause while it backs off, else no live host fits
         reason: StatusReason = "FailedCreate" if cur.failures else "Unschedulable"
         message = (cur.failure or "the last bring-up failed") if cur.failures else \
             (cur.unplaced or "no live vmfence host has room for this VM")
-        want = msgspec.structs.replace(status_of(cur), reason=reason, message=message)
-    else:
-        want = status_of(cur)
-    if cur.status == want:
+        return msgspec.structs.replace(status_of(cur), reason=reason, message=message)
+    return status_of(cur)
+
+
+def _sync_status(run: _Run) -> None:
+    cur = run.s.cur
+    if cur is None or cur.delete_claim:
+        return
+    want = wanted_status(run.s, cur)
+    if want is None or cur.status == want:
         return
     run.add(WriteRequested(KubeWrite(run.effect_id("status"), "status", cur.fence, status=want)))

@@ -14,6 +14,7 @@ from shared.fence.decide.run import (
     _cur_of,
     _Run,
     status_of,
+    wanted_status,
 )
 from shared.fence.schema import (
     AdoptTimer,
@@ -71,7 +72,11 @@ def _timer_adopt(run: _Run, fence: Fence, p: AdoptTimer) -> None:
 
 
 def _rewrite_status(run: _Run, cur: Incarnation) -> None:
-    write = KubeWrite(run.effect_id("status"), "status", cur.fence, status=status_of(cur))
+    # the status the pod should show, as _sync_status words it (a waiting pod's reason and message):
+    # with bare status_of, _sync_status saw a difference and requested a second write beside this
+    # one, and under failing writes each rewrite doubled the writes in flight
+    status = wanted_status(run.s, cur) or status_of(cur)
+    write = KubeWrite(run.effect_id("status"), "status", cur.fence, status=status)
     run.add(WriteRequested(write))
 
 
