@@ -822,6 +822,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "rule 12: a write that takes ends the rewrite backoff; the next failure waits the first delay again",
         ("tests/unit/test_rewrite_backoff.py",),
     ),
+    Mutant(
+        "status-rewrite-writes-a-bare-status", DECIDE_TIMERS,
+        "    status = wanted_status(run.s, cur) or status_of(cur)\n",
+        "    status = status_of(cur)\n",
+        "rule 12: a status rewrite writes the status the pod should show, once; a bare one makes the status "
+        "sync ask for a second write, and failing writes then double with every rewrite",
+        ("tests/unit/test_rewrite_backoff.py",),
+    ),
 )
 
 # run by tests/unit/test_mutants_sample.py in CI: fast kills (a few seconds each), several modules
