@@ -36,6 +36,11 @@ from shared.fence.state import Incarnation, KeyState, fold
 PLACE_RETRY_S = 2.0
 
 
+def doubling_s(base: float, steps: int, cap: float) -> float:
+    """``base`` doubled ``steps`` times (none below 0), at most ``cap``: every backoff below."""
+    return min(base * 2.0 ** min(max(steps, 0), 32), cap)
+
+
 # A pod no host takes is checked again after a delay that doubles per check in a row that found none,
 # from PLACE_RETRY_S up to PLACE_RETRY_MAX_S: a fleet whose hosts are all gone does not log an entry
 # per pending pod every 2 s for as long as it lasts. The reconciler fires these timers early when a
@@ -46,7 +51,7 @@ PLACE_RETRY_MAX_S = 60.0
 
 def place_retry_s(tries: int) -> float:
     """The delay before the placement check that follows ``tries`` checks in a row with no host."""
-    return min(PLACE_RETRY_S * 2.0 ** min(max(tries, 0), 32), PLACE_RETRY_MAX_S)
+    return doubling_s(PLACE_RETRY_S, tries, PLACE_RETRY_MAX_S)
 
 
 EFFECT_RETRY_S = 1.0
@@ -60,7 +65,7 @@ REWRITE_MAX_S = 30.0
 
 def rewrite_backoff_s(failures: int) -> float:
     """The delay before the write that follows ``failures`` failed ones in a row."""
-    return min(EFFECT_RETRY_S * 2.0 ** min(max(failures - 1, 0), 32), REWRITE_MAX_S)
+    return doubling_s(EFFECT_RETRY_S, failures - 1, REWRITE_MAX_S)
 
 
 # A failed bring-up (a missing image, a full disk) is placed again after a backoff that doubles per
@@ -77,7 +82,7 @@ MAX_CAUSE_CHARS = 1024  # of an agent's error text kept in the log, a condition 
 
 def create_backoff_s(failures: int) -> float:
     """The delay before the bring-up that follows ``failures`` failed ones in a row."""
-    return min(CREATE_BACKOFF_BASE_S * 2.0 ** min(max(failures - 1, 0), 32), CREATE_BACKOFF_MAX_S)
+    return doubling_s(CREATE_BACKOFF_BASE_S, failures - 1, CREATE_BACKOFF_MAX_S)
 
 
 class HostView(msgspec.Struct, frozen=True):

@@ -1,0 +1,65 @@
+"""Catalogue mutants of the re-checks that wait and back off (rule 12: a timer only re-checks):
+a placement, a survey with no live host, a failed Kubernetes write, and the reconciler's early
+checks when a host comes live or has more room. Part of ``mutant_catalogue.MUTANTS``."""
+
+from __future__ import annotations
+
+from services.testbed.mutant_catalogue import DECIDE_INVENTORY, DECIDE_TIMERS, DECIDE_WRITES, STATE, Mutant
+
+BACKOFFS: tuple[Mutant, ...] = (
+    Mutant(
+        "placement-backoff-kept-once-placed", STATE,
+        "        c.unplaced, c.unplaced_tries = None, 0\n",
+        "        c.unplaced = None\n",
+        "rule 12: a placement check backs off only while no host takes the pod; once placed, its next "
+        "wait for a host starts again from the first delay",
+        ("tests/unit/test_place_backoff.py",),
+    ),
+    Mutant(
+        "host-waits-left-to-their-backoff", "services/reconciler/service.py",
+        "            fired = effects.fire_host_waits(functools.partial(self._worth_checking, views))\n",
+        "            fired = 0\n",
+        "rule 12: the checks waiting for a host are fired when one comes live or has more room, not "
+        "left to a backoff of up to a minute",
+        ("tests/reconciler/test_place_again.py",),
+    ),
+    Mutant(
+        "host-waits-fired-for-pods-no-roomier-host-can-take", "services/reconciler/hosts.py",
+        "    return placeable(roomier, state.cur.spec)\n",
+        "    return True\n",
+        "rule 12: a placement check fired early is one that a host that came live or has more room could "
+        "answer; a pod bound to a dead node is not checked each time another host frees room",
+        ("tests/reconciler/test_place_again.py",),
+    ),
+    Mutant(
+        "survey-without-hosts-never-backs-off", DECIDE_INVENTORY,
+        "        _arm(run, fence, SurveyTimer(), min(max(PLACE_RETRY_S, 2 * last), PLACE_RETRY_MAX_S))\n",
+        "        _arm(run, fence, SurveyTimer(), PLACE_RETRY_S)\n",
+        "rule 12: a survey that finds no live host to ask backs off as placement does, not every 2 s for "
+        "as long as the fleet is gone",
+        ("tests/unit/test_place_backoff.py",),
+    ),
+    Mutant(
+        "rewrite-never-backs-off", DECIDE_WRITES,
+        "    _arm(run, cur.fence, RewriteTimer(write.verb), rewrite_backoff_s(cur.write_failures))\n",
+        "    _arm(run, cur.fence, RewriteTimer(write.verb), 1.0)\n",
+        "rule 12: a failed Kubernetes write is written again after a backoff that doubles per failure in a "
+        "row, not every second for as long as the failure lasts",
+        ("tests/unit/test_rewrite_backoff.py",),
+    ),
+    Mutant(
+        "rewrite-backoff-kept-after-a-write-takes", STATE,
+        "        c.write_failures = c.write_failures + 1 if d.outcome == \"failed\" else 0\n",
+        "        c.write_failures += d.outcome == \"failed\"\n",
+        "rule 12: a write that takes ends the rewrite backoff; the next failure waits the first delay again",
+        ("tests/unit/test_rewrite_backoff.py",),
+    ),
+    Mutant(
+        "status-rewrite-writes-a-bare-status", DECIDE_TIMERS,
+        "    status = wanted_status(run.s, cur) or status_of(cur)\n",
+        "    status = status_of(cur)\n",
+        "rule 12: a status rewrite writes the status the pod should show, once; a bare one makes the status "
+        "sync ask for a second write, and failing writes then double with every rewrite",
+        ("tests/unit/test_rewrite_backoff.py",),
+    ),
+)
