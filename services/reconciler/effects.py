@@ -48,6 +48,9 @@ QUEUE_LIMIT_PER_KEY = 10_000
 REFUSED_COPIES_LIMIT = 10_000  # refusals remembered for commands not (yet) in our outbox; oldest dropped
 # checks that wait for a host: a placement (no host takes the VM), a survey (no host is live)
 HOST_WAIT_PURPOSES = frozenset({purpose_text(PlaceTimer()), purpose_text(SurveyTimer())})
+# a Kubernetes write again (RewriteTimer): one armed while the API server did not answer is fired
+# as soon as it answers again, not left to a backoff of up to REWRITE_MAX_S
+REWRITE_PREFIX = "rewrite/"
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,10 @@ class EffectRunner:
         # which the stream's dedupe would let stand for ours: whenever ours is carried out (now, or
         # after a hand-over's foreign tail is read), it goes under a Msg-Id of our generation
         self._refused: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
+        # the last Kubernetes write failed unanswered (WriteDone.unanswered), and the rewrite timers
+        # armed since, fired when a write is answered again (fire_server_waits)
+        self._unanswered = False
+        self._server_waits: dict[tuple[str, str], None] = {}
 
     def submit(self, key: str, effect: Work) -> None:
         if key in self._halted:
@@ -117,9 +124,12 @@ class EffectRunner:
 
         def fire() -> None:
             self._timers.pop(handle_key, None)
+            self._server_waits.pop(handle_key, None)
             self.submit(key, _Fire(timer))
 
         self._timers[handle_key] = (loop.call_later(max(0.0, timer.delay_s), fire), timer)
+        if self._unanswered and timer.purpose.startswith(REWRITE_PREFIX):
+            self._server_waits[handle_key] = None
 
     def fire_host_waits(self, worth: Callable[[str, TimerArmed], bool] = lambda key, timer: True) -> int:
         """Fire now every armed check that waits for a host and that ``worth`` says a host that came
@@ -135,6 +145,21 @@ class EffectRunner:
                 fired += 1
         return fired
 
+    def fire_server_waits(self) -> int:
+        """Fire now every rewrite timer armed while the API server did not answer, and return how
+        many: it answers again, and the writes that failed for its silence need not sit out their
+        backoff (``decide.rewrite_backoff_s``, up to 30 s; a timer only re-checks, rule 12). The
+        effect workers bound how many are written at once."""
+        fired = 0
+        for handle_key in self._server_waits:
+            entry = self._timers.pop(handle_key, None)
+            if entry is not None:
+                entry[0].cancel()
+                self.submit(handle_key[0], _Fire(entry[1]))
+                fired += 1
+        self._server_waits.clear()
+        return fired
+
     def refused_copy(self, key: str, command_id: str, host: str) -> None:
         """``host`` refused an older writer's copy of ``command_id``: ours goes under our generation."""
         self._refused[(command_id, host)] = key
@@ -147,6 +172,7 @@ class EffectRunner:
             if self.subjects.partition(key) == partition:
                 handle.cancel()
                 del self._timers[(key, tid)]
+                self._server_waits.pop((key, tid), None)
         # the partition's next load judges its keys' logs afresh
         self._halted = {k for k in self._halted if self.subjects.partition(k) != partition}
         for ref, key in list(self._refused.items()):
@@ -165,6 +191,7 @@ class EffectRunner:
             if k == key:
                 handle.cancel()
                 del self._timers[(k, tid)]
+                self._server_waits.pop((k, tid), None)
 
     def resume(self, key: str) -> None:
         self._halted.discard(key)
@@ -180,6 +207,7 @@ class EffectRunner:
         for handle, _ in self._timers.values():
             handle.cancel()
         self._timers.clear()
+        self._server_waits.clear()
 
     async def _worker(self) -> None:
         while True:
@@ -245,6 +273,7 @@ class EffectRunner:
                     # chart forgot, a 422 of a body the real server refuses) — never a silent retry
                     log.warning("kubernetes %s write failed: %s", w.verb, done.detail,
                                 extra={"key": str(key), "uid": w.fence.uid, "epoch": w.fence.epoch})
+                self._server_answered(not done.unanswered)
                 if w.verb != "event":
                     await self._outcome(key, done, f"{key}|{w.id}")
                 kind = f"write_{w.verb}"
@@ -255,6 +284,18 @@ class EffectRunner:
                 self._arm(str(key), work)
                 return
         metrics.EFFECT_SECONDS.labels(kind).observe(time.perf_counter() - start)
+
+    def _server_answered(self, answered: bool) -> None:
+        """A write's answer (or silence): the first answer after a silence fires the rewrites that
+        waited for one."""
+        if not answered:
+            self._unanswered = True
+        elif self._unanswered:
+            self._unanswered = False
+            fired = self.fire_server_waits()
+            if fired:
+                log.info("the API server answers again: %d write(s) again now", fired)
+                metrics.REWRITES_EARLY.inc(fired)
 
     async def _outcome(self, key: Key, inp: Input, msg_id: str) -> None:
         """Outcomes this reconciler produced itself go straight to the key's decide loop: they need

@@ -166,6 +166,11 @@ class _LastSeen:
         self._objs.pop(key, None)
 
 
+def _unanswered(exc: BaseException | None) -> bool:
+    """The API server did not answer (after ``_retrying``'s bounded tries): not a refusal."""
+    return isinstance(exc, KubeError) and exc.status in TRANSIENT_CODES
+
+
 class _Outcome(Exception):
     """Internal: ends a write with this outcome."""
 
@@ -296,7 +301,7 @@ class K8sGateway:
 
     # --- write ----------------------------------------------------------------------------
     async def write(self, key: Key, write: KubeWrite) -> WriteDone:
-        outcome, detail, node = "failed", None, None
+        outcome, detail, node, unanswered = "failed", None, None, False
         try:
             async with asyncio.timeout(self.call_timeout_s):
                 if not write.fence.uid:
@@ -316,10 +321,11 @@ class K8sGateway:
                 outcome = "ok"
         except _Outcome as out:
             outcome, detail, node = out.outcome, out.detail, out.node
+            unanswered = outcome == "failed" and _unanswered(out.__cause__)
         except KubeError as exc:
-            outcome, detail = "failed", str(exc)
+            outcome, detail, unanswered = "failed", str(exc), _unanswered(exc)
         except TimeoutError:
-            outcome, detail = "failed", f"timed out after {self.call_timeout_s}s"
+            outcome, detail, unanswered = "failed", f"timed out after {self.call_timeout_s}s", True
         if write.verb != "event" and (write.verb != "status" or outcome != "ok"):
             # a delete, eviction or binding changed (or removed) the object; any other outcome
             # than ok leaves nothing worth trusting: the next status write reads it again
@@ -332,7 +338,7 @@ class K8sGateway:
                 "event %s for %s not written: %s", write.event_reason, key, detail, extra={"key": str(key)})
             outcome = "failed"
         return WriteDone(fence=write.fence, write_id=write.id, outcome=outcome, detail=detail,  # type: ignore[arg-type]
-                         node=node)
+                         node=node, unanswered=unanswered)
 
     async def _bind(self, key: Key, write: KubeWrite) -> str:
         """``pods/binding`` to ``write.node``, as a scheduler binds (the Binding's uid is the

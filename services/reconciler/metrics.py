@@ -53,6 +53,10 @@ PLACE_CHECKS_EARLY = Counter(
     "vmfence_place_checks_early_total",
     "Checks of pods waiting for a host (placement, survey), fired early because a host came live or has more room",
 )
+REWRITES_EARLY = Counter(
+    "vmfence_rewrites_early_total",
+    "Kubernetes writes again (rewrite timers) fired early because the API server answers again after a silence",
+)
 PARTITIONS_OWNED = Gauge("vmfence_partitions_owned", "Partitions this reconciler holds", ["reconciler"])
 LEASE_LOST = Counter("vmfence_lease_lost_total", "Partition leases lost while held", ["reconciler"])
 DEAD_LETTERS = Counter("vmfence_dead_letters_total", "Messages parked in the DLQ", ["reason"])

@@ -1,10 +1,17 @@
 """Catalogue mutants of the re-checks that wait and back off (rule 12: a timer only re-checks):
-a placement, a survey with no live host, a failed Kubernetes write, and the reconciler's early
-checks when a host comes live or has more room. Part of ``mutant_catalogue.MUTANTS``."""
+a placement, a survey with no live host, a failed Kubernetes write, a command on a VM sent again,
+and the reconciler's early checks when a host comes live or has more room. Part of ``mutant_catalogue.MUTANTS``."""
 
 from __future__ import annotations
 
-from services.testbed.mutant_catalogue import DECIDE_INVENTORY, DECIDE_TIMERS, DECIDE_WRITES, STATE, Mutant
+from services.testbed.mutant_catalogue import (
+    DECIDE_INVENTORY,
+    DECIDE_RESULTS,
+    DECIDE_TIMERS,
+    DECIDE_WRITES,
+    STATE,
+    Mutant,
+)
 
 BACKOFFS: tuple[Mutant, ...] = (
     Mutant(
@@ -61,5 +68,43 @@ BACKOFFS: tuple[Mutant, ...] = (
         "rule 12: a status rewrite writes the status the pod should show, once; a bare one makes the status "
         "sync ask for a second write, and failing writes then double with every rewrite",
         ("tests/unit/test_rewrite_backoff.py",),
+    ),
+    Mutant(
+        "command-retry-never-backs-off", DECIDE_RESULTS,
+        "        _arm(run, a.rec.fence, RetryTimer(a.cmd.op, a.cmd.vm_id), retry_backoff_s(a.rec.retries))\n",
+        "        _arm(run, a.rec.fence, RetryTimer(a.cmd.op, a.cmd.vm_id), EFFECT_RETRY_S)\n",
+        "rule 12: a command on a VM answered inconclusive (or a failed remove) is sent again after a backoff "
+        "that doubles per re-send, not every second per VM for as long as its runtime does not answer",
+        ("tests/unit/test_retry_backoff.py",),
+    ),
+    Mutant(
+        "adopt-inspect-never-backs-off", DECIDE_RESULTS,
+        "        _arm(run, a.cmd.fence, AdoptTimer(a.cmd.vm_id), retry_backoff_s(retries))\n",
+        "        _arm(run, a.cmd.fence, AdoptTimer(a.cmd.vm_id), EFFECT_RETRY_S)\n",
+        "rules 8 and 12: an inconclusive adopt's inspect is asked again after a backoff, as any re-send",
+        ("tests/unit/test_retry_backoff.py",),
+    ),
+    Mutant(
+        "command-retry-backoff-kept-after-an-ok", STATE,
+        "        rec.retries = 0\n",
+        "        pass\n",
+        "rule 12: an ok answer ends a VM's re-send backoff; its next doubt waits the first delay again",
+        ("tests/unit/test_retry_backoff.py",),
+    ),
+    Mutant(
+        "rewrites-left-to-their-backoff-when-the-server-answers", "services/reconciler/effects.py",
+        "            fired = self.fire_server_waits()\n",
+        "            fired = 0\n",
+        "rule 12: the writes that failed because the API server did not answer are written again when it "
+        "answers again, not left to a backoff of up to 30 s",
+        ("tests/reconciler/test_rewrite_early.py",),
+    ),
+    Mutant(
+        "a-refusal-taken-for-the-servers-silence", "services/reconciler/effects.py",
+        "                self._server_answered(not done.unanswered)\n",
+        "                self._server_answered(done.outcome != \"failed\")\n",
+        "rule 12: a refused write (a 403, a 422) is an answer; only silence waits for the API server, and its "
+        "first answer ends the wait",
+        ("tests/reconciler/test_rewrite_early.py",),
     ),
 )

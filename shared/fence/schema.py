@@ -211,6 +211,10 @@ class WriteDone(msgspec.Struct, tag="write_done", frozen=True, omit_defaults=Tru
     # a binding's answer: the node the pod is bound to now (the write's own on ok; another
     # binder's when the pod was bound first — the pod's nodeName is law, never a VM elsewhere)
     node: str | None = None
+    # a failure because the API server did not answer (a transport error, a timeout, 429 or 5xx
+    # after the gateway's own retries): the reconciler writes again early once it answers. decide
+    # reads nothing of it
+    unanswered: bool = False
     v: int = SCHEMA_VERSION
 
 

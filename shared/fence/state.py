@@ -16,6 +16,7 @@ from shared.fence.schema import (
     NO_INCARNATION,
     Admitted,
     Adopted,
+    AdoptTimer,
     Bound,
     BringUpFailed,
     Commanded,
@@ -37,6 +38,7 @@ from shared.fence.schema import (
     Rebuilt,
     Released,
     Restarting,
+    RetryTimer,
     Skipped,
     Spec,
     SpecChanged,
@@ -52,6 +54,9 @@ from shared.fence.schema import (
 # the bound keeps an often-recreated key's state small.
 TOMBSTONE_LIMIT = 64
 
+# the stored purposes (schema.purpose_text) of timers that send a command on a VM again
+_RESENDS = ("retry/", "adopt/")
+
 VMState = Literal[
     "creating", "running", "exited", "removing", "hibernating", "waking", "adopting", "discovered"
 ]
@@ -66,6 +71,7 @@ class VMRec(msgspec.Struct, omit_defaults=True):
     host: str
     fence: Fence
     state: VMState
+    retries: int = 0  # re-sends of a command on it (RetryTimer, AdoptTimer) since its last ok: their backoff
 
 
 class Incarnation(msgspec.Struct, omit_defaults=True):
@@ -155,6 +161,8 @@ def _cur_for(s: KeyState, fence: Fence) -> Incarnation | None:
 def _done(s: KeyState, d: Done) -> None:
     eid = d.effect_id
     done = s.outbox.pop(eid, None)
+    if isinstance(done, Commanded) and d.outcome == "ok" and (rec := s.vms.get(done.command.vm_id)) is not None:
+        rec.retries = 0
     if isinstance(done, WriteRequested) and (c := _cur_for(s, done.write.fence)) is not None:
         c.write_failures = c.write_failures + 1 if d.outcome == "failed" else 0
     if (
@@ -344,6 +352,10 @@ def _spec_changed(s: KeyState, d: SpecChanged) -> None:
 
 def _timer_armed(s: KeyState, d: TimerArmed) -> None:
     s.outbox[d.timer_id] = d
+    if d.purpose.startswith(_RESENDS):  # a command on a VM sent again: counted for its backoff
+        timer = d.timer
+        if isinstance(timer, RetryTimer | AdoptTimer) and (rec := s.vms.get(timer.vm_id)) is not None:
+            rec.retries += 1
 
 
 def _rebuilt(s: KeyState, d: Rebuilt) -> None:

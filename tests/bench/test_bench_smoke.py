@@ -188,3 +188,15 @@ async def test_pods_waiting_for_a_host_back_off(tmp_path: Path) -> None:
     checks = (mark - r["entries_when_admitted"]) / 20  # type: ignore[operator]
     assert 1 <= checks <= 3, r
     assert r["reconciler_cpu_s"] > 0
+
+
+async def test_writes_that_waited_for_the_api_server_go_when_it_answers(tmp_path: Path) -> None:
+    """`python -m services.testbed.bench.waiting PODS SECONDS recovers`: the API server does not
+    answer for 10 s, then does; the pods' status writes that waited for it are fired at once
+    (counted), not left to their backoff, and every pod's status is written."""
+    from services.testbed.bench.waiting import run_waiting
+
+    r = await run_waiting(20, 10.0, str(tmp_path), writes_fail=True, recovers=True)
+    assert r["recovered_s"] is not None, r
+    assert r["rewrites_early"] >= 20, r  # type: ignore[operator]
+    assert r["kubernetes_writes"]["status"] > 20, r  # type: ignore[index]

@@ -207,6 +207,7 @@ async def test_invalid_with_same_uid_is_failed_not_superseded(
     server.faults.inject_error("patch", "pods/status", 422)
     done = await gateway.write(Key("pod", NS, "p"), status_write(uid, RUNNING))
     assert done.outcome == "failed" and done.detail is not None and "invalid" in done.detail
+    assert not done.unanswered, "a refusal is an answer: nothing waits for the server to answer again"
 
 
 async def test_transient_errors_retried_then_failed(
@@ -219,6 +220,10 @@ async def test_transient_errors_retried_then_failed(
     server.faults.inject_error("patch", "pods/status", 429, count=None)
     done = await gateway.write(key, status_write(uid, PodStatusIntent(phase="Failed")))
     assert done.outcome == "failed" and done.detail is not None and "429" in done.detail
+    assert done.unanswered, "the server did not take it for as long as the gateway tried: written again once it does"
+    server.faults.reset()
+    done = await gateway.write(key, status_write(uid, PodStatusIntent(phase="Failed")))
+    assert done.outcome == "ok" and not done.unanswered
 
 
 async def test_eviction_fenced_by_uid(core: client.CoreV1Api, gateway: K8sGateway) -> None:

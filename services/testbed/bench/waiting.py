@@ -1,15 +1,19 @@
 """What pods waiting for a host cost while they wait: log entries and reconciler CPU.
 
-``python -m services.testbed.bench.waiting PODS SECONDS [churn] [writes-fail]`` runs a real nats-server, the fake
-agents' process (host-a and host-b live, heartbeating) and a reconciler in this process, then admits
-PODS pods bound to a node that never comes (``vmfence-host-z``) and prints JSON: the log's entry
-count every 10 s of SECONDS and the reconciler process's CPU over them. Each check that finds no
-host is an entry (``Skipped(no_host)`` and the next place timer); its backoff
-(``decide.place_retry_s``) sets how many a fleet that lost its hosts appends for as long as it
-waits. With ``churn``, host-a also reports more free room every second, as a busy host whose VMs
-come and go does: the checks fired early (``hosts.worth_checking``) must not include these pods,
-which host-a cannot take. With ``writes-fail``, every Kubernetes write fails too, as while an API
-server is down: each pod's status write is written again after its backoff (``rewrite_backoff_s``).
+``python -m services.testbed.bench.waiting PODS SECONDS [churn] [writes-fail] [recovers] [no-early]``
+runs a real nats-server, the fake agents' process (host-a and host-b live, heartbeating) and a
+reconciler in this process, then admits PODS pods bound to a node that never comes (``vmfence-host-z``)
+and prints JSON: the log's entry count every 10 s of SECONDS and the reconciler process's
+CPU over them. Each check that finds no host is an entry (``Skipped(no_host)`` and the next place
+timer); its backoff (``decide.place_retry_s``) sets how many a fleet that lost its hosts appends for
+as long as it waits. With ``churn``, host-a also reports more free room every second, as a busy host
+whose VMs come and go does: the checks fired early (``hosts.worth_checking``) must not include these
+pods, which host-a cannot take. With ``writes-fail``, every Kubernetes write fails too, unanswered,
+as while an API server is down: each pod's status write is written again after its backoff
+(``rewrite_backoff_s``). With ``recovers`` as well, the API server answers again after SECONDS and
+the JSON says how long until every pod's status was written (``recovered_s``): the reconciler fires
+the rewrites that waited for it (``EffectRunner.fire_server_waits``); ``no-early`` leaves them to
+their backoff instead, as before that existed, for a comparison in the same run.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 import msgspec
 
 from services.reconciler.kube import NullGateway
+from services.reconciler.metrics import REWRITES_EARLY
 from services.testbed.bench.command import FAKE_HOSTS, fake_heartbeat, until_hosts_live
 from services.testbed.natsserver import start_nats
 from shared.bus.connect import Bus
@@ -41,12 +46,28 @@ DEAD_NODE = "vmfence-host-z"  # no agent of that name ever heartbeats
 
 
 class _WritesFail(NullGateway):
-    """An API server that answers every write with a failure (down, or a role the chart forgot)."""
+    """An API server that does not answer writes (down) until ``up()``; then takes them all."""
+
+    def __init__(self, pods: int) -> None:
+        super().__init__()
+        self.down = True
+        self.pods = pods
+        self.written: set[str] = set()  # keys whose status was written once the server was up
+        self.all_written = asyncio.Event()
+
+    def up(self) -> None:
+        self.down = False
 
     async def write(self, key: Key, write: KubeWrite) -> WriteDone:
         self.counts[write.verb] += 1
-        why = "503: the bench's API server is down"
-        return WriteDone(fence=write.fence, write_id=write.id, outcome="failed", detail=why)
+        if self.down:
+            why = "0 Transport: the bench's API server is down"
+            return WriteDone(fence=write.fence, write_id=write.id, outcome="failed", detail=why, unanswered=True)
+        if write.verb == "status":
+            self.written.add(str(key))
+            if len(self.written) >= self.pods:
+                self.all_written.set()
+        return WriteDone(fence=write.fence, write_id=write.id, outcome="ok")
 
 
 async def _churn(hosts: Any) -> None:
@@ -58,10 +79,12 @@ async def _churn(hosts: Any) -> None:
 
 
 async def run_waiting(pods: int, seconds: float, tmp: str | None = None, *, churn: bool = False,
-                      writes_fail: bool = False) -> dict[str, object]:
+                      writes_fail: bool = False, recovers: bool = False, early: bool = True) -> dict[str, object]:
     from services.reconciler.config import ReconcilerConfig
+    from services.reconciler.effects import EffectRunner
     from services.reconciler.service import Reconciler
 
+    fire_server_waits = EffectRunner.fire_server_waits
     tmp = tmp or tempfile.mkdtemp(prefix="vmfence-bench-")
     server = await start_nats(store_dir=os.path.join(tmp, "nats"))
     agents = None
@@ -79,12 +102,14 @@ async def run_waiting(pods: int, seconds: float, tmp: str | None = None, *, chur
         )
         spec = Spec(node=DEAD_NODE)
         keys = [Key("pod", "bench", f"waiting-{i}") for i in range(pods)]
-        gateway = _WritesFail() if writes_fail else NullGateway()
+        gateway = _WritesFail(pods) if writes_fail else NullGateway()
         for i, key in enumerate(keys):
             gateway.objects[str(key)] = (f"uid-{i:08d}", 1, spec)
         cfg = ReconcilerConfig(nats_url=[server.url], partitions=PARTITIONS, id="bench-waiting",
                                data_dir=os.path.join(tmp, "rec"), kube="none", http_port=0)
         rec = Reconciler(cfg, gateway=gateway, health=False)
+        if not early:  # the comparison: the rewrites sit out their backoff, as before they were fired
+            EffectRunner.fire_server_waits = lambda self: 0  # type: ignore[method-assign]
 
         async def log_entries() -> int:
             return int((await bus.js.stream_info(subjects.stream_log)).state.messages)
@@ -107,12 +132,20 @@ async def run_waiting(pods: int, seconds: float, tmp: str | None = None, *, chur
                 await asyncio.sleep(MARK_EVERY_S)  # the period sampled, not a synchronisation
                 marks.append(await log_entries())
             cpu = time.process_time() - cpu_start
+            recovered_s, early_before = None, REWRITES_EARLY._value.get()
+            if recovers and isinstance(gateway, _WritesFail):
+                # the server answers again: every pod's status is written, how soon?
+                gateway.up()
+                up_at = time.perf_counter()
+                await asyncio.wait_for(gateway.all_written.wait(), 120)
+                recovered_s = round(time.perf_counter() - up_at, 2)
             if churning is not None:
                 await cancel_and_wait([churning], what="churn")
             rec.stop()
             await run
         await bus.close()
     finally:
+        EffectRunner.fire_server_waits = fire_server_waits  # type: ignore[method-assign]
         if agents is not None:
             agents.terminate()
             await agents.wait()
@@ -129,13 +162,19 @@ async def run_waiting(pods: int, seconds: float, tmp: str | None = None, *, chur
         "entries_per_pod_per_minute": round((marks[-1] - at_start) / max(1, pods) * 60.0 / span, 2),
         "reconciler_cpu_s": round(cpu, 2),
         "kubernetes_writes": dict(gateway.counts),
+        "recovered_s": recovered_s,
+        "rewrites_fired_early": early,
+        "rewrites_early": int(REWRITES_EARLY._value.get() - early_before),
     }
 
 
 def main(argv: list[str]) -> int:
     pods, seconds = int(argv[0]), float(argv[1])
     flags = set(argv[2:])
-    print(json.dumps(run_main(run_waiting(pods, seconds, churn="churn" in flags, writes_fail="writes-fail" in flags))))
+    print(json.dumps(run_main(run_waiting(
+        pods, seconds, churn="churn" in flags, writes_fail="writes-fail" in flags or "recovers" in flags,
+        recovers="recovers" in flags, early="no-early" not in flags,
+    ))))
     return 0
 
 

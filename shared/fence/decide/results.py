@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.fence.decide.run import EFFECT_RETRY_S, MAX_CAUSE_CHARS, _arm, _command, _event, _Run, create_backoff_s
+from shared.fence.decide.run import (
+    EFFECT_RETRY_S,
+    MAX_CAUSE_CHARS,
+    _arm,
+    _command,
+    _event,
+    _Run,
+    create_backoff_s,
+    retry_backoff_s,
+)
 from shared.fence.schema import (
     Adopted,
     AdoptTimer,
@@ -71,9 +80,10 @@ def _fenced(run: _Run, a: _Answer) -> None:
 
 
 def _retry(run: _Run, a: _Answer) -> None:
-    """Inconclusive (or a remove that failed): the same op again for the VM's owner (rule 12)."""
+    """Inconclusive (or a remove that failed): the same op again for the VM's owner (rule 12), after
+    a backoff (``retry_backoff_s``)."""
     if a.rec is not None:
-        _arm(run, a.rec.fence, RetryTimer(a.cmd.op, a.cmd.vm_id), EFFECT_RETRY_S)
+        _arm(run, a.rec.fence, RetryTimer(a.cmd.op, a.cmd.vm_id), retry_backoff_s(a.rec.retries))
 
 
 def _up_ok(run: _Run, a: _Answer) -> None:
@@ -187,9 +197,10 @@ def _adopt_lost(run: _Run, a: _Answer) -> None:
 
 
 def _adopt_again(run: _Run, a: _Answer) -> None:
-    """An inconclusive inspect is retried, never trusted (rule 8)."""
+    """An inconclusive inspect is retried, never trusted (rule 8), after a backoff (``retry_backoff_s``)."""
     if run.s.is_current(a.cmd.fence):
-        _arm(run, a.cmd.fence, AdoptTimer(a.cmd.vm_id), EFFECT_RETRY_S)
+        retries = a.rec.retries if a.rec is not None else 0
+        _arm(run, a.cmd.fence, AdoptTimer(a.cmd.vm_id), retry_backoff_s(retries))
     else:
         _retry(run, a)
 

@@ -68,6 +68,18 @@ def rewrite_backoff_s(failures: int) -> float:
     return doubling_s(EFFECT_RETRY_S, failures - 1, REWRITE_MAX_S)
 
 
+# A command on a VM that answered inconclusive (a runtime that did not say), or a remove that failed,
+# is sent again after a delay that doubles per re-send since the VM's last ok answer, from
+# EFFECT_RETRY_S up to RETRY_MAX_S (VMRec.retries): a host whose runtime hangs is not asked once a
+# second per VM for as long as it lasts. An inconclusive adopt's inspect backs off alike.
+RETRY_MAX_S = 30.0
+
+
+def retry_backoff_s(retries: int) -> float:
+    """The delay before the re-send that follows ``retries`` re-sends since the VM's last ok."""
+    return doubling_s(EFFECT_RETRY_S, retries, RETRY_MAX_S)
+
+
 # A failed bring-up (a missing image, a full disk) is placed again after a backoff that doubles per
 # failure in a row, from CREATE_BACKOFF_BASE_S up to CREATE_BACKOFF_MAX_S (as a kubelet's image-pull
 # backoff), and the count starts again once a VM is bound: never once a second forever.
