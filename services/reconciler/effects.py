@@ -51,6 +51,9 @@ HOST_WAIT_PURPOSES = frozenset({purpose_text(PlaceTimer()), purpose_text(SurveyT
 # a Kubernetes write again (RewriteTimer): one armed while the API server did not answer is fired
 # as soon as it answers again, not left to a backoff of up to REWRITE_MAX_S
 REWRITE_PREFIX = "rewrite/"
+# while it stays silent, one of those goes ahead of its backoff this often, as a canary: the first
+# the API server answers fires the rest, though no other write happens to be made meanwhile
+SERVER_CANARY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class EffectRunner:
         # the last Kubernetes write failed unanswered (WriteDone.unanswered), and the rewrite timers
         # armed since, fired when a write is answered again (fire_server_waits)
         self._unanswered = False
+        self._silent = asyncio.Event()  # set while _unanswered: the canaries run
         self._server_waits: dict[tuple[str, str], None] = {}
 
     def submit(self, key: str, effect: Work) -> None:
@@ -201,7 +205,24 @@ class EffectRunner:
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
-            await join([tg.create_task(self._worker()) for _ in range(self.workers)], what="effect worker")
+            tasks = [tg.create_task(self._worker()) for _ in range(self.workers)]
+            await join([*tasks, tg.create_task(self._canaries())], what="effect worker")
+
+    async def _canaries(self) -> None:
+        """While the API server is silent, the oldest write waiting for it goes every SERVER_CANARY_S
+        (its timer fired early; if it fails again it waits at the back): the first one answered
+        fires the rest at once (``_server_answered``)."""
+        while True:
+            await self._silent.wait()
+            await asyncio.sleep(SERVER_CANARY_S)  # the canaries' period, not a synchronisation
+            while self._unanswered and self._server_waits:
+                handle_key = next(iter(self._server_waits))
+                del self._server_waits[handle_key]
+                entry = self._timers.pop(handle_key, None)
+                if entry is not None:
+                    entry[0].cancel()
+                    self.submit(handle_key[0], _Fire(entry[1]))
+                    break
 
     def close(self) -> None:
         for handle, _ in self._timers.values():
@@ -290,8 +311,10 @@ class EffectRunner:
         waited for one."""
         if not answered:
             self._unanswered = True
+            self._silent.set()
         elif self._unanswered:
             self._unanswered = False
+            self._silent.clear()
             fired = self.fire_server_waits()
             if fired:
                 log.info("the API server answers again: %d write(s) again now", fired)

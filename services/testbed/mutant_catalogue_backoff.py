@@ -107,4 +107,12 @@ BACKOFFS: tuple[Mutant, ...] = (
         "first answer ends the wait",
         ("tests/reconciler/test_rewrite_early.py",),
     ),
+    Mutant(
+        "no-canary-while-the-server-is-silent", "services/reconciler/effects.py",
+        "            while self._unanswered and self._server_waits:\n",
+        "            while False:\n",
+        "rule 12: while the API server is silent one waiting write goes ahead of its backoff now and then, "
+        "so that its answer is seen though no other write is made",
+        ("tests/reconciler/test_rewrite_early.py",),
+    ),
 )

@@ -5,11 +5,16 @@ answer: it fires them too, and nothing armed while the server answered is fired 
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
+from services.reconciler import effects
 from services.reconciler.effects import EffectRunner
 from services.reconciler.kube import NullGateway
 from shared.bus.connect import Bus
 from shared.fence.keys import Key
-from shared.fence.schema import Fence, KubeWrite, TimerArmed, WriteDone, WriteRequested
+from shared.fence.schema import Fence, KubeWrite, TimerArmed, TimerFired, WriteDone, WriteRequested
 
 
 class _Gateway(NullGateway):
@@ -87,4 +92,57 @@ async def test_a_rewrite_armed_during_a_silence_and_then_halted_is_not_fired(bus
     runner.halt("default/a")  # quarantined: nothing of it is carried out
     await runner._execute(key, _status("default/z", 2))
     assert fired == []
+    runner.close()
+
+
+class _Keys:
+    """What a partition's decide loop does with a write's outcome, for the test: a write that failed
+    arms its rewrite timer (30 s: far beyond the test); the timer fired writes again."""
+
+    def __init__(self) -> None:
+        self.runner: EffectRunner | None = None
+        self.n = 0
+
+    async def feed(self, key: str, inp: object) -> bool:
+        assert self.runner is not None
+        self.n += 1
+        if isinstance(inp, WriteDone) and inp.outcome == "failed":
+            self.runner.submit_all(key, [_rewrite(key, self.n)])
+        elif isinstance(inp, TimerFired):
+            self.runner.submit(key, _status(key, self.n))
+        return True
+
+
+async def test_a_silent_server_is_asked_by_a_canary_and_every_write_goes_once_it_answers(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No other write happens once the server is back: a canary (one waiting write, ahead of its
+    backoff) finds it answering, and the rest go at once, long before their 30 s timers."""
+    monkeypatch.setattr(effects, "SERVER_CANARY_S", 0.05)
+    keys = [f"default/p{i}" for i in range(20)]
+    written: set[str] = set()
+    all_written = asyncio.Event()
+
+    class Gateway(NullGateway):
+        silent = True
+
+        async def write(self, key: Key, write: KubeWrite) -> WriteDone:
+            if self.silent:
+                return WriteDone(write.fence, write.id, "failed", "0 Transport", unanswered=True)
+            written.add(str(key))
+            if len(written) == len(keys):
+                all_written.set()
+            return WriteDone(write.fence, write.id, "ok")
+
+    gateway, sim = Gateway(), _Keys()
+    runner = sim.runner = EffectRunner(bus.js, bus.subjects, gateway, feed=sim.feed, workers=4)  # type: ignore[arg-type]
+    async with asyncio.TaskGroup() as tg:
+        run = tg.create_task(runner.run())
+        for i, key in enumerate(keys):
+            runner.submit(key, _status(key, i))
+        await asyncio.wait_for(runner.idle.wait(), 10)
+        assert len(runner._server_waits) == len(keys), "every write failed and waits for the server"
+        gateway.silent = False
+        await asyncio.wait_for(all_written.wait(), 10)  # the rewrite timers say 30 s
+        run.cancel()
     runner.close()
