@@ -19,8 +19,9 @@ import msgspec
 from nats.js import JetStreamContext
 
 from services.reconciler import metrics
-from services.reconciler.kube import KubeGateway
+from services.reconciler.kube import KubeGateway, KubeUnavailable
 from shared.bus.append import publish_input
+from shared.fence.decide import doubling_s
 from shared.fence.keys import Key
 from shared.fence.schema import (
     MAX_COMMAND_BYTES,
@@ -43,7 +44,10 @@ from shared.tasks import join
 
 log = logging.getLogger(__name__)
 
-RETRY_DELAY_S = 1.0  # after a failed publish/write, before trying the effect again
+# after a failed publish or confirm, the key's effects wait (parked: no worker held) before the same
+# effect is tried again, doubling per failure in a row up to RETRY_MAX_DELAY_S
+RETRY_DELAY_S = 1.0
+RETRY_MAX_DELAY_S = 30.0
 QUEUE_LIMIT_PER_KEY = 10_000
 REFUSED_COPIES_LIMIT = 10_000  # refusals remembered for commands not (yet) in our outbox; oldest dropped
 # checks that wait for a host: a placement (no host takes the VM), a survey (no host is live)
@@ -99,6 +103,10 @@ class EffectRunner:
         self._unanswered = False
         self._silent = asyncio.Event()  # set while _unanswered: the canaries run
         self._server_waits: dict[tuple[str, str], None] = {}
+        # keys whose next effect failed (a publish, a confirm): their queue waits, holding no worker,
+        # until the handle puts them back (_unpark); failures in a row per key, for the delay
+        self._parked: dict[str, asyncio.TimerHandle] = {}
+        self._failures: dict[str, int] = {}
 
     def submit(self, key: str, effect: Work) -> None:
         if key in self._halted:
@@ -209,12 +217,16 @@ class EffectRunner:
             await join([*tasks, tg.create_task(self._canaries())], what="effect worker")
 
     async def _canaries(self) -> None:
-        """While the API server is silent, the oldest write waiting for it goes every SERVER_CANARY_S
-        (its timer fired early; if it fails again it waits at the back): the first one answered
+        """While the API server is silent, every SERVER_CANARY_S the oldest parked key is tried again
+        (a confirm, most likely), or else the oldest write waiting for the server goes (its timer
+        fired early); if it fails again it waits at the back. The first one answered unparks and
         fires the rest at once (``_server_answered``)."""
         while True:
             await self._silent.wait()
             await asyncio.sleep(SERVER_CANARY_S)  # the canaries' period, not a synchronisation
+            if self._unanswered and self._parked:  # a parked confirm (or write) tried again now
+                self._unpark(next(iter(self._parked)))
+                continue
             while self._unanswered and self._server_waits:
                 handle_key = next(iter(self._server_waits))
                 del self._server_waits[handle_key]
@@ -229,12 +241,16 @@ class EffectRunner:
             handle.cancel()
         self._timers.clear()
         self._server_waits.clear()
+        for handle in self._parked.values():
+            handle.cancel()
+        self._parked.clear()
 
     async def _worker(self) -> None:
         while True:
             key = await self._ready.get()
             q = self._queues.get(key)
             self._busy += 1
+            parked = False
             try:
                 while q:
                     work = q[0]
@@ -247,15 +263,38 @@ class EffectRunner:
                     except asyncio.CancelledError:
                         raise
                     except Exception as exc:
-                        log.warning("effect failed, retrying: %r", exc, extra={"key": key})
-                        await asyncio.sleep(RETRY_DELAY_S)
-                        continue
+                        # the same effect again later, the key's later ones behind it (their order
+                        # holds); meanwhile this worker serves other keys: an API server or a bus
+                        # that is away must not take every worker from the keys it does not concern
+                        parked = True
+                        self._park(key, exc)
+                        break
+                    self._failures.pop(key, None)
                     q.popleft()
             finally:
                 self._busy -= 1
-                self._queues.pop(key, None)
+                if not parked:
+                    self._queues.pop(key, None)
+                    self._failures.pop(key, None)
                 if not self._queues and self._busy == 0:
                     self.idle.set()
+
+    def _park(self, key: str, exc: Exception) -> None:
+        failures = self._failures[key] = self._failures.get(key, 0) + 1
+        delay = doubling_s(RETRY_DELAY_S, failures - 1, RETRY_MAX_DELAY_S)
+        log.warning("effect failed, retrying in %.0fs: %r", delay, exc, extra={"key": key})
+        if isinstance(exc, KubeUnavailable):
+            self._server_answered(False)
+        self._parked[key] = asyncio.get_running_loop().call_later(delay, self._unpark, key)
+        metrics.EFFECTS_PARKED.set(len(self._parked))
+
+    def _unpark(self, key: str) -> None:
+        handle = self._parked.pop(key, None)
+        if handle is not None:
+            handle.cancel()
+            metrics.EFFECTS_PARKED.set(len(self._parked))
+            if key in self._queues:
+                self._ready.put_nowait(key)
 
     async def _execute(self, key: Key, work: Work) -> None:
         start = time.perf_counter()
@@ -283,7 +322,8 @@ class EffectRunner:
                                     msg_id=f"{cmd.id}@{gen}" if resend else cmd.id)
                 kind = f"command_{cmd.op}"
             case ConfirmRequested(request=req):
-                read = await self.gateway.confirm(key, req)
+                read = await self.gateway.confirm(key, req)  # KubeUnavailable: parked (_park)
+                self._server_answered(True)
                 await self._outcome(key, read, f"{key}|{req}")
                 kind = "confirm"
             case WriteRequested(write=w):
@@ -315,6 +355,8 @@ class EffectRunner:
         elif self._unanswered:
             self._unanswered = False
             self._silent.clear()
+            for key in list(self._parked):
+                self._unpark(key)
             fired = self.fire_server_waits()
             if fired:
                 log.info("the API server answers again: %d write(s) again now", fired)

@@ -53,6 +53,10 @@ PLACE_CHECKS_EARLY = Counter(
     "vmfence_place_checks_early_total",
     "Checks of pods waiting for a host (placement, survey), fired early because a host came live or has more room",
 )
+EFFECTS_PARKED = Gauge(
+    "vmfence_effects_parked",
+    "Keys whose next effect failed (a publish, a confirm) and waits to be tried again, holding no worker",
+)
 REWRITES_EARLY = Counter(
     "vmfence_rewrites_early_total",
     "Kubernetes writes again (rewrite timers) fired early because the API server answers again after a silence",

@@ -115,4 +115,20 @@ BACKOFFS: tuple[Mutant, ...] = (
         "so that its answer is seen though no other write is made",
         ("tests/reconciler/test_rewrite_early.py",),
     ),
+    Mutant(
+        "failing-effects-hold-their-workers", "services/reconciler/effects.py",
+        "                        parked = True\n                        self._park(key, exc)\n                        break\n",
+        "                        await asyncio.sleep(RETRY_DELAY_S)\n                        continue\n",
+        "an effect that fails (a confirm while the API server is away) waits parked and holds no worker: "
+        "as many such keys as workers must not stop every other key's effects",
+        ("tests/reconciler/test_effects_parked.py",),
+    ),
+    Mutant(
+        "parked-keys-wait-out-their-delay-when-the-server-answers", "services/reconciler/effects.py",
+        "            if self._unanswered and self._parked:  # a parked confirm (or write) tried again now\n",
+        "            if False:\n",
+        "the keys parked while the API server was away go as soon as it answers (a canary finds out), not "
+        "at the end of a delay of up to 30 s",
+        ("tests/reconciler/test_effects_parked.py",),
+    ),
 )
