@@ -372,6 +372,17 @@ class FleetBench:
         v = await self.nats.varz()
         return int(v.get("in_msgs", 0)) + int(v.get("out_msgs", 0))
 
+    async def nats_msgs_by_client(self) -> dict[str, int]:
+        """Messages each named client has sent plus received (``/connz`` in_msgs + out_msgs, summed
+        over connections of one name; the server's own JetStream traffic is not a connection)."""
+        assert self.nats is not None
+        c = await self.nats.varz("/connz?limit=1024")
+        out: dict[str, int] = {}
+        for conn in c.get("connections") or []:
+            name = str(conn.get("name") or "?")
+            out[name] = out.get(name, 0) + int(conn.get("in_msgs", 0)) + int(conn.get("out_msgs", 0))
+        return out
+
     # ------------------------------------------------------------------------------ figures
     async def pods(self, n: int, tag: str = "pod") -> dict[str, Any]:
         """n pods created as fast as the client can, to all Running, then deleted to zero VMs;
@@ -385,7 +396,7 @@ class FleetBench:
         req0 = await self.api_requests()
         meter = CpuMeter(self.pids)
         gc0 = await self.gc_seconds()
-        msgs0 = await self.nats_msgs()
+        msgs0, by0 = await self.nats_msgs(), await self.nats_msgs_by_client()
         meter.start()
         t0 = time.time()
         await _bounded(n, self.size["create_concurrency"], lambda i: self._create_only(names[i]))
@@ -394,14 +405,14 @@ class FleetBench:
                                         120 + n / 10, f"{n} pods Running")
         up = meter.stop()
         up_writes = meter.writes
-        msgs1 = await self.nats_msgs()
+        msgs1, by1 = await self.nats_msgs(), await self.nats_msgs_by_client()
         entries, decisions = await count_decisions(js, subjects, start_seq)
-        msgs2 = await self.nats_msgs()
+        msgs2, by2 = await self.nats_msgs(), await self.nats_msgs_by_client()
         meter.start()
         issued, to_zero = await self.delete_all_and_wait(names, 120 + n / 10)
         down = meter.stop()
         writes = {k: up_writes.get(k, 0) + meter.writes.get(k, 0) for k in up_writes.keys() | meter.writes.keys()}
-        msgs3 = await self.nats_msgs()
+        msgs3, by3 = await self.nats_msgs(), await self.nats_msgs_by_client()
         req1 = await self.api_requests()
         gc1 = await self.gc_seconds()
         await self._stop_profile(spies)
@@ -423,6 +434,12 @@ class FleetBench:
             "cpu_ms_per_pod": CpuMeter.per_unit_ms(both, n),
             "cpu_ms_per_pod_up": CpuMeter.per_unit_ms(up, n),
             "nats_msgs_per_pod": round((msgs1 - msgs0 + msgs3 - msgs2) / n, 2),
+            # the same by client name (as each one counts them: a message it sent or was sent)
+            "nats_msgs_per_pod_by_client": {
+                k: round((by1.get(k, 0) - by0.get(k, 0) + by3.get(k, 0) - by2.get(k, 0)) / n, 2)
+                for k in sorted(by1.keys() | by3.keys())
+                if by1.get(k, 0) - by0.get(k, 0) + by3.get(k, 0) - by2.get(k, 0) > 0
+            },
             "write_syscalls_per_pod": {k: round(v, 2) for k, v in CpuMeter.per_unit(writes, n).items()},
             # the part of cpu_ms_per_pod spent in each component's cyclic garbage collector
             "gc_ms_per_pod": CpuMeter.per_unit_ms({k: v - gc0.get(k, 0.0) for k, v in gc1.items()}, n),
