@@ -131,4 +131,28 @@ BACKOFFS: tuple[Mutant, ...] = (
         "at the end of a delay of up to 30 s",
         ("tests/reconciler/test_effects_parked.py",),
     ),
+    Mutant(
+        "a-survey-retry-per-failed-answer", DECIDE_RESULTS,
+        "    if any(isinstance(e, TimerArmed) and e.purpose == _SURVEY for e in run.s.outbox.values()):\n"
+        "        return\n",
+        "",
+        "rule 12: one survey retry at a time; a retry per failed answer, each asking every host, doubled the "
+        "surveys every round while the hosts did not answer",
+        ("tests/unit/test_retry_backoff.py",),
+    ),
+    Mutant(
+        "survey-retry-never-backs-off", DECIDE_RESULTS,
+        "    _arm(run, a.cmd.fence, SurveyTimer(), retry_backoff_s(run.s.survey_failures - 1))\n",
+        "    _arm(run, a.cmd.fence, SurveyTimer(), EFFECT_RETRY_S)\n",
+        "rule 12: a survey round with a failed answer is asked again after a backoff that doubles per such "
+        "round, not every second while the hosts do not answer",
+        ("tests/unit/test_retry_backoff.py",),
+    ),
+    Mutant(
+        "survey-backoff-kept-after-a-round-answered", STATE,
+        "            s.survey_failures = 0\n",
+        "            pass\n",
+        "rule 12: a round every host answered ends the survey backoff",
+        ("tests/unit/test_retry_backoff.py",),
+    ),
 )

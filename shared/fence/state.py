@@ -47,6 +47,7 @@ from shared.fence.schema import (
     SurveyTimer,
     TimerArmed,
     WriteRequested,
+    purpose_text,
 )
 
 # How many superseded UIDs a key remembers. UIDs are never reused by Kubernetes, so an input for an
@@ -56,6 +57,7 @@ TOMBSTONE_LIMIT = 64
 
 # the stored purposes (schema.purpose_text) of timers that send a command on a VM again
 _RESENDS = ("retry/", "adopt/")
+_SURVEY = purpose_text(SurveyTimer())
 
 VMState = Literal[
     "creating", "running", "exited", "removing", "hibernating", "waking", "adopting", "discovered"
@@ -130,6 +132,9 @@ class KeyState(msgspec.Struct, omit_defaults=True):
     # survey commands issued while ``unverified``: only a round issued after the load verifies (a
     # round from before it, re-sent from the outbox, may describe hosts as they were long ago)
     verifying: list[str] = msgspec.field(default_factory=list, name="vf")
+    # survey rounds with a failed answer (no answer to trust) since one every host answered: the
+    # re-survey's backoff (decide.retry_backoff_s)
+    survey_failures: int = msgspec.field(default=0, name="sf")
 
     def is_tombstoned(self, uid: str) -> bool:
         return uid in self.tombstones
@@ -165,13 +170,14 @@ def _done(s: KeyState, d: Done) -> None:
         rec.retries = 0
     if isinstance(done, WriteRequested) and (c := _cur_for(s, done.write.fence)) is not None:
         c.write_failures = c.write_failures + 1 if d.outcome == "failed" else 0
-    if (
-        isinstance(done, Commanded)
-        and done.command.op == "survey"
-        and d.outcome == "ok"
-        and not any(_is_survey(e) for e in s.outbox.values())
-    ):
-        s.rebuilding = False
+    if isinstance(done, Commanded) and done.command.op == "survey":
+        if d.outcome == "ok" and not any(_is_survey(e) for e in s.outbox.values()):
+            s.rebuilding = False  # the round's last answer, and none failed (its retry is armed)
+            s.survey_failures = 0
+        elif d.outcome not in ("ok", "fenced") and not any(
+            isinstance(e, TimerArmed) and e.purpose == _SURVEY for e in s.outbox.values()
+        ):
+            s.survey_failures += 1  # the round's first failed answer (its retry is not armed yet)
     if s.verifying and eid in s.verifying:
         if d.outcome != "ok":
             s.verifying.clear()  # the round failed; the next one verifies

@@ -1,13 +1,14 @@
 """A command on a VM that answered inconclusive (a runtime that did not say), or a remove that
 failed, is sent again after a delay that doubles per re-send since the VM's last ok answer, up to a
 cap: a host whose runtime hangs is not asked once a second per VM for as long as it lasts. An
-inconclusive adopt's inspect backs off alike. The count is the log's (fold), so a replay or a new
+inconclusive adopt's inspect backs off alike, and so does a survey round with a failed answer (one
+retry at a time: they multiplied). The count is the log's (fold), so a replay or a new
 owner of the partition backs off from where the writer was."""
 
 from __future__ import annotations
 
 from shared.fence.audit import audit
-from shared.fence.decide import RETRY_MAX_S, retry_backoff_s
+from shared.fence.decide import RETRY_MAX_S, rebuild, retry_backoff_s
 from shared.fence.schema import Command, Observed, Spec, TimerArmed, TimerFired
 from shared.fence.state import KeyState, fold_all
 from tests.unit.driver import KEY, Driver, of
@@ -84,3 +85,52 @@ def test_a_replay_of_the_log_backs_off_from_where_the_writer_was() -> None:
     for entry in d.log:
         fold_all(replayed, entry.decisions)
     assert replayed.vms[create.vm_id].retries == d.state.vms[create.vm_id].retries == 2
+
+
+def _rebuilding() -> Driver:
+    """A bound key whose log lost a tail: every host (two) is surveyed before any VM is made."""
+    d = Driver()
+    d.run_up("u1")
+    fold_all(d.state, rebuild(d.state, d.state.epoch, d.env, "tail lost"))
+    return d
+
+
+def _survey_timers(d: Driver) -> list[TimerArmed]:
+    return [t for t in d.timers() if t.purpose == "survey"]
+
+
+def test_surveys_no_host_answers_go_one_round_at_a_time_backing_off() -> None:
+    """Each failed answer armed a retry of its own, and each retry asked every host: with two hosts
+    that did not answer, the surveys doubled every round (64 in the sixth). One retry at a time
+    now, after a delay that doubles per round with a failed answer."""
+    d = _rebuilding()
+    delays = []
+    for _ in DOUBLING:
+        surveys = d.commands("survey")
+        assert len(surveys) == 2, "one survey per host per round"
+        for s in surveys:
+            d.answer(s, "inconclusive")
+        (timer,) = _survey_timers(d)
+        delays.append(timer.delay_s)
+        d.feed(TimerFired(timer.fence, timer.timer_id))
+    assert delays == DOUBLING
+    assert d.state.survey_failures == len(DOUBLING)
+    for s in d.commands("survey"):
+        d.answer(s, found=[])
+    assert not d.state.rebuilding and d.state.survey_failures == 0, "a round every host answered ends it"
+    assert _survey_timers(d) == []
+
+
+def test_one_host_that_does_not_answer_fails_the_round_once() -> None:
+    d = _rebuilding()
+    a, b = d.commands("survey")
+    d.answer(a, "failed")
+    d.answer(b, found=[])
+    (timer,) = _survey_timers(d)
+    assert timer.delay_s == DOUBLING[0] and d.state.rebuilding
+    d.feed(TimerFired(timer.fence, timer.timer_id))
+    a, b = d.commands("survey")
+    d.answer(b, "failed")
+    d.answer(a, "inconclusive")
+    (timer,) = _survey_timers(d)
+    assert timer.delay_s == DOUBLING[1], "two failed answers in one round back off once"
