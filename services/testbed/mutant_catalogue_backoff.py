@@ -117,7 +117,9 @@ BACKOFFS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "failing-effects-hold-their-workers", "services/reconciler/effects.py",
-        "                        parked = True\n                        self._park(key, exc)\n                        break\n",
+        "                        parked = True\n"
+        "                        self._park(key, exc)\n"
+        "                        break\n",
         "                        await asyncio.sleep(RETRY_DELAY_S)\n                        continue\n",
         "an effect that fails (a confirm while the API server is away) waits parked and holds no worker: "
         "as many such keys as workers must not stop every other key's effects",
@@ -138,7 +140,7 @@ BACKOFFS: tuple[Mutant, ...] = (
         "",
         "rule 12: one survey retry at a time; a retry per failed answer, each asking every host, doubled the "
         "surveys every round while the hosts did not answer",
-        ("tests/unit/test_retry_backoff.py",),
+        ("tests/unit/test_retry_backoff.py", "tests/unit/test_no_amplification.py"),
     ),
     Mutant(
         "survey-retry-never-backs-off", DECIDE_RESULTS,

@@ -1,0 +1,66 @@
+"""However hosts answer — failed, inconclusive, not found, or now and then ok — and however often
+every armed timer fires, a key's outstanding effects stay bounded: no answer arms more than one
+retry of a thing, and no retry asks more than it did. A retry per failed answer that asked every
+host (surveys, found here) doubled a key's work every round: the pure kernel is where that shows.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shared.fence.decide import rebuild
+from shared.fence.schema import (
+    ABSENT,
+    Inventoried,
+    Observed,
+    Spec,
+    TimerFired,
+)
+from shared.fence.state import fold_all
+from tests.unit.driver import KEY, Driver
+
+EXAMPLES = settings.default.max_examples
+# two hosts: a survey round is two commands; beside it a VM's command, a few timers and writes
+OUTSTANDING_BOUND = 12
+ROUNDS = 12
+
+
+def _start(d: Driver, scenario: str) -> None:
+    match scenario:
+        case "admitted":
+            d.admit("u1")
+        case "bound_absent":
+            create = d.run_up("u1")
+            d.feed(Inventoried(create.fence, create.host, create.vm_id, ABSENT, round="host-a-b1-7"))
+        case "deleting":
+            d.run_up("u1")
+            d.feed(Observed(KEY, "u1", d.next_rv(), deleting=True))
+        case "rebuilding":
+            d.run_up("u1")
+            fold_all(d.state, rebuild(d.state, d.state.epoch, d.env, "tail lost"))
+        case "adopting":
+            d.run_up("u1")
+            d.admit("u2", Spec(on_recreate="adopt"))
+        case "hibernating":
+            d.run_up("u1")
+            d.feed(Observed(KEY, "u1", d.next_rv(), spec=Spec(hibernate=True)))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_hosts_that_do_not_answer_never_multiply_a_keys_work(data: st.DataObject) -> None:
+    d = Driver()
+    _start(d, data.draw(st.sampled_from(
+        ["admitted", "bound_absent", "deleting", "rebuilding", "adopting", "hibernating"])))
+    for _ in range(ROUNDS):
+        for cmd in d.commands():
+            outcome = data.draw(st.sampled_from(["failed", "inconclusive", "inconclusive", "not_found", "ok"]))
+            if cmd.op == "survey" and outcome == "ok":
+                d.answer(cmd, found=[])
+            else:
+                d.answer(cmd, outcome)
+        for timer in d.timers():
+            d.feed(TimerFired(timer.fence, timer.timer_id))
+        assert len(d.state.outbox) <= OUTSTANDING_BOUND, sorted(d.state.outbox)
+        assert len(d.commands("survey")) <= 2, "one survey round at a time"
