@@ -346,9 +346,18 @@ class EffectRunner:
                 return
         metrics.EFFECT_SECONDS.labels(kind).observe(time.perf_counter() - start)
 
+    @property
+    def server_silent(self) -> bool:
+        """The API server's last answer was silence (a write or a read it did not answer)."""
+        return self._unanswered
+
+    def server_answered(self, answered: bool) -> None:
+        """What a request made elsewhere (a partition's inline confirm) saw of the API server."""
+        self._server_answered(answered)
+
     def _server_answered(self, answered: bool) -> None:
-        """A write's answer (or silence): the first answer after a silence fires the rewrites that
-        waited for one."""
+        """A request's answer (or silence): the first answer after a silence unparks the keys and
+        fires the rewrites that waited for one."""
         if not answered:
             self._unanswered = True
             self._silent.set()

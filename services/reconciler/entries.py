@@ -30,6 +30,7 @@ from services.reconciler import metrics
 from services.reconciler.effects import EffectRunner
 from services.reconciler.inventory import InventoryIndex
 from services.reconciler.keytable import KeySlot, pack_state, unpack_encoded
+from services.reconciler.kube import KubeUnavailable
 from shared.bus.append import LostRace, fenced_append
 from shared.fence.decide import DecideEnv, decide, rebuild
 from shared.fence.keys import Key
@@ -363,12 +364,20 @@ class KeyWriter:
         hold, one append and no outbox round trip. A failed read leaves the request to the outbox."""
         req = decisions[0]
         assert isinstance(req, ConfirmRequested) and self.confirm is not None
+        if self.effects.server_silent:
+            # the API server is not answering: the read goes to the outbox (parked there, holding
+            # no worker, tried again when it answers) rather than hold this input, and the inputs
+            # of other keys behind it, for the read's timeout
+            return decisions
         try:
             async with asyncio.timeout(CONFIRM_INLINE_TIMEOUT_S):  # no task per read, as wait_for makes
                 read = await self.confirm(key_of(state.key), req.request)
         except Exception as exc:
             log.info("inline confirm failed (%r); leaving it to the outbox", exc, extra={"key": state.key})
+            if isinstance(exc, KubeUnavailable | TimeoutError):
+                self.effects.server_answered(False)
             return decisions
+        self.effects.server_answered(True)
         after = fold_all(copy_state(state), decisions)
         return decisions + decide(after, read, self.env())
 

@@ -157,4 +157,12 @@ BACKOFFS: tuple[Mutant, ...] = (
         "rule 12: a round every host answered ends the survey backoff",
         ("tests/unit/test_retry_backoff.py",),
     ),
+    Mutant(
+        "inline-confirm-while-the-server-is-silent", "services/reconciler/entries.py",
+        "        if self.effects.server_silent:\n",
+        "        if False:\n",
+        "a new pod is confirmed inline only while the API server answers; silent, the read goes to the outbox "
+        "rather than hold the partition's inputs for its timeout",
+        ("tests/reconciler/test_effects_parked.py",),
+    ),
 )

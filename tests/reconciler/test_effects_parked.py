@@ -103,3 +103,32 @@ async def test_a_canary_finds_the_server_back_and_every_parked_key_goes(
         assert not runner._parked
         run.cancel()
     runner.close()
+
+
+async def test_while_the_server_is_silent_a_new_pod_is_not_confirmed_inline(bus: Bus) -> None:
+    """A partition confirms a new pod inline (before it appends) only while the API server answers:
+    silent, it would hold the input, and the inputs of other keys behind it, for the read's timeout.
+    The read goes to the outbox instead, where it is parked until the server answers."""
+    from services.reconciler.partition import Partition
+    from shared.fence.decide import DecideEnv, HostView
+    from shared.fence.schema import Observed, Spec
+
+    gateway = _Gateway()
+    runner = EffectRunner(bus.js, bus.subjects, gateway)  # not run: effects stay queued
+    env = DecideEnv(hosts=[HostView("host-a", 64, 65536)])
+    part = Partition(0, js=bus.js, subjects=bus.subjects, writer="w", effects=runner, snapshots=None,
+                     env=lambda: env, confirm=gateway.confirm)
+    assert await part.feed("default/a", Observed("default/a", "u1", 1, spec=Spec()))
+    assert gateway.calls == [("default/a", "confirm")], "inline, tried once"
+    assert runner.server_silent, "its silence is known"
+    pending = [e for e in part.keys["default/a"].state.outbox.values() if isinstance(e, ConfirmRequested)]
+    assert len(pending) == 1, "the read is left to the outbox"
+    assert await part.feed("default/b", Observed("default/b", "u1", 1, spec=Spec()))
+    assert gateway.calls == [("default/a", "confirm")], "silent: not tried inline"
+    assert [e for e in part.keys["default/b"].state.outbox.values() if isinstance(e, ConfirmRequested)]
+    gateway.away = False
+    runner.server_answered(True)
+    assert await part.feed("default/c", Observed("default/c", "u1", 1, spec=Spec()))
+    assert gateway.calls[-1] == ("default/c", "confirm"), "answering again: inline again"
+    assert not [e for e in part.keys["default/c"].state.outbox.values() if isinstance(e, ConfirmRequested)]
+    runner.close()
