@@ -20,6 +20,7 @@ from nats.js import JetStreamContext
 
 from services.reconciler import metrics
 from services.reconciler.kube import KubeGateway, KubeUnavailable
+from services.reconciler.silence import Silence
 from shared.bus.append import publish_input
 from shared.fence.decide import doubling_s
 from shared.fence.keys import Key
@@ -58,6 +59,7 @@ REWRITE_PREFIX = "rewrite/"
 # while it stays silent, one of those goes ahead of its backoff this often, as a canary: the first
 # the API server answers fires the rest, though no other write happens to be made meanwhile
 SERVER_CANARY_S = 1.0
+PARKED = "parked"  # what a key parked for a read waits as (Silence.wait's kind)
 
 
 @dataclass(frozen=True)
@@ -98,11 +100,10 @@ class EffectRunner:
         # which the stream's dedupe would let stand for ours: whenever ours is carried out (now, or
         # after a hand-over's foreign tail is read), it goes under a Msg-Id of our generation
         self._refused: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
-        # the last Kubernetes write failed unanswered (WriteDone.unanswered), and the rewrite timers
-        # armed since, fired when a write is answered again (fire_server_waits)
-        self._unanswered = False
-        self._silent = asyncio.Event()  # set while _unanswered: the canaries run
-        self._server_waits: dict[tuple[str, str], None] = {}
+        # whether the API server answers writes and reads, and what waits for its next answer
+        # (silence.py): rewrite timers for a write's, parked keys for a read's
+        self.writes, self.reads = Silence(), Silence()
+        self._silent = asyncio.Event()  # set while either is silent: the canaries run
         # keys whose next effect failed (a publish, a confirm): their queue waits, holding no worker,
         # until the handle puts them back (_unpark); failures in a row per key, for the delay
         self._parked: dict[str, asyncio.TimerHandle] = {}
@@ -136,12 +137,13 @@ class EffectRunner:
 
         def fire() -> None:
             self._timers.pop(handle_key, None)
-            self._server_waits.pop(handle_key, None)
+            self.writes.drop(key, timer.timer_id)
+            self.writes.waited_out(key, timer.purpose)
             self.submit(key, _Fire(timer))
 
         self._timers[handle_key] = (loop.call_later(max(0.0, timer.delay_s), fire), timer)
-        if self._unanswered and timer.purpose.startswith(REWRITE_PREFIX):
-            self._server_waits[handle_key] = None
+        if timer.purpose.startswith(REWRITE_PREFIX):
+            self.writes.wait(key, timer.timer_id, timer.purpose)  # if the server is silent
 
     def fire_host_waits(self, worth: Callable[[str, TimerArmed], bool] = lambda key, timer: True) -> int:
         """Fire now every armed check that waits for a host and that ``worth`` says a host that came
@@ -158,19 +160,19 @@ class EffectRunner:
         return fired
 
     def fire_server_waits(self) -> int:
-        """Fire now every rewrite timer armed while the API server did not answer, and return how
-        many: it answers again, and the writes that failed for its silence need not sit out their
+        """Fire now every rewrite timer that waits for the API server to answer a write, and return
+        how many: it answers again, and the writes that failed for its silence need not sit out their
         backoff (``decide.rewrite_backoff_s``, up to 30 s; a timer only re-checks, rule 12). The
         effect workers bound how many are written at once."""
-        fired = 0
-        for handle_key in self._server_waits:
-            entry = self._timers.pop(handle_key, None)
-            if entry is not None:
-                entry[0].cancel()
-                self.submit(handle_key[0], _Fire(entry[1]))
-                fired += 1
-        self._server_waits.clear()
-        return fired
+        return sum(self._fire_now(ident) for ident in self.writes.release())
+
+    def _fire_now(self, handle_key: tuple[str, str]) -> bool:
+        entry = self._timers.pop(handle_key, None)
+        if entry is None:
+            return False
+        entry[0].cancel()
+        self.submit(handle_key[0], _Fire(entry[1]))
+        return True
 
     def refused_copy(self, key: str, command_id: str, host: str) -> None:
         """``host`` refused an older writer's copy of ``command_id``: ours goes under our generation."""
@@ -184,7 +186,9 @@ class EffectRunner:
             if self.subjects.partition(key) == partition:
                 handle.cancel()
                 del self._timers[(key, tid)]
-                self._server_waits.pop((key, tid), None)
+        in_partition = self._in_partition(partition)
+        self.writes.drop_keys(in_partition)
+        self.reads.drop_keys(in_partition)
         # the partition's next load judges its keys' logs afresh
         self._halted = {k for k in self._halted if self.subjects.partition(k) != partition}
         for ref, key in list(self._refused.items()):
@@ -203,7 +207,8 @@ class EffectRunner:
             if k == key:
                 handle.cancel()
                 del self._timers[(k, tid)]
-                self._server_waits.pop((k, tid), None)
+        self.writes.drop_keys(key.__eq__)
+        self.reads.drop_keys(key.__eq__)
 
     def resume(self, key: str) -> None:
         self._halted.discard(key)
@@ -217,30 +222,26 @@ class EffectRunner:
             await join([*tasks, tg.create_task(self._canaries())], what="effect worker")
 
     async def _canaries(self) -> None:
-        """While the API server is silent, every SERVER_CANARY_S the oldest parked key is tried again
-        (a confirm, most likely), or else the oldest write waiting for the server goes (its timer
-        fired early); if it fails again it waits at the back. The first one answered unparks and
-        fires the rest at once (``_server_answered``)."""
+        """While the API server is silent, every SERVER_CANARY_S the oldest key parked for a read it
+        did not answer is tried again, and the oldest write that waits for it goes (its timer fired
+        early): the first one it answers releases the rest (``_read_answered``, ``_write_answered``)."""
         while True:
             await self._silent.wait()
             await asyncio.sleep(SERVER_CANARY_S)  # the canaries' period, not a synchronisation
-            if self._unanswered and self._parked:  # a parked confirm (or write) tried again now
-                self._unpark(next(iter(self._parked)))
-                continue
-            while self._unanswered and self._server_waits:
-                handle_key = next(iter(self._server_waits))
-                del self._server_waits[handle_key]
-                entry = self._timers.pop(handle_key, None)
-                if entry is not None:
-                    entry[0].cancel()
-                    self.submit(handle_key[0], _Fire(entry[1]))
-                    break
+            if self.reads.silent and (read := self.reads.canary()) is not None:
+                self._unpark(read[0])
+            if self.writes.silent and (write := self.writes.canary()) is not None:
+                self._fire_now(write)
+
+    def _in_partition(self, partition: int) -> Callable[[str], bool]:
+        return lambda key: self.subjects.partition(key) == partition
 
     def close(self) -> None:
         for handle, _ in self._timers.values():
             handle.cancel()
         self._timers.clear()
-        self._server_waits.clear()
+        self.writes.clear()
+        self.reads.clear()
         for handle in self._parked.values():
             handle.cancel()
         self._parked.clear()
@@ -269,7 +270,8 @@ class EffectRunner:
                         parked = True
                         self._park(key, exc)
                         break
-                    self._failures.pop(key, None)
+                    if self._failures.pop(key, None) is not None:
+                        self.reads.waited_out(key, PARKED)
                     q.popleft()
             finally:
                 self._busy -= 1
@@ -283,10 +285,17 @@ class EffectRunner:
         failures = self._failures[key] = self._failures.get(key, 0) + 1
         delay = doubling_s(RETRY_DELAY_S, failures - 1, RETRY_MAX_DELAY_S)
         log.warning("effect failed, retrying in %.0fs: %r", delay, exc, extra={"key": key})
-        if isinstance(exc, KubeUnavailable):
-            self._server_answered(False)
-        self._parked[key] = asyncio.get_running_loop().call_later(delay, self._unpark, key)
+        self._parked[key] = asyncio.get_running_loop().call_later(delay, self._unpark_due, key)
         metrics.EFFECTS_PARKED.set(len(self._parked))
+        if isinstance(exc, KubeUnavailable):  # a read the API server did not answer: waits for its next
+            self._read_answered(False)
+            self.reads.wait(key, key, PARKED)
+
+    def _unpark_due(self, key: str) -> None:
+        """Its own delay ran out."""
+        self.reads.drop(key, key)
+        self.reads.waited_out(key, PARKED)
+        self._unpark(key)
 
     def _unpark(self, key: str) -> None:
         handle = self._parked.pop(key, None)
@@ -323,7 +332,7 @@ class EffectRunner:
                 kind = f"command_{cmd.op}"
             case ConfirmRequested(request=req):
                 read = await self.gateway.confirm(key, req)  # KubeUnavailable: parked (_park)
-                self._server_answered(True)
+                self._read_answered(True)
                 await self._outcome(key, read, f"{key}|{req}")
                 kind = "confirm"
             case WriteRequested(write=w):
@@ -334,7 +343,9 @@ class EffectRunner:
                     # chart forgot, a 422 of a body the real server refuses) — never a silent retry
                     log.warning("kubernetes %s write failed: %s", w.verb, done.detail,
                                 extra={"key": str(key), "uid": w.fence.uid, "epoch": w.fence.epoch})
-                self._server_answered(not done.unanswered)
+                self._write_answered(not done.unanswered)
+                if done.outcome == "ok":
+                    self.writes.waited_out(str(key), REWRITE_PREFIX + w.verb)
                 if w.verb != "event":
                     await self._outcome(key, done, f"{key}|{w.id}")
                 kind = f"write_{w.verb}"
@@ -347,29 +358,41 @@ class EffectRunner:
         metrics.EFFECT_SECONDS.labels(kind).observe(time.perf_counter() - start)
 
     @property
-    def server_silent(self) -> bool:
-        """The API server's last answer was silence (a write or a read it did not answer)."""
-        return self._unanswered
+    def reads_silent(self) -> bool:
+        """The API server did not answer the last read (a consistent read of a new pod)."""
+        return self.reads.silent
 
-    def server_answered(self, answered: bool) -> None:
-        """What a request made elsewhere (a partition's inline confirm) saw of the API server."""
-        self._server_answered(answered)
+    def read_answered(self, answered: bool) -> None:
+        """What a read made elsewhere (a partition's inline confirm) saw of the API server."""
+        self._read_answered(answered)
 
-    def _server_answered(self, answered: bool) -> None:
-        """A request's answer (or silence): the first answer after a silence unparks the keys and
-        fires the rewrites that waited for one."""
+    def _read_answered(self, answered: bool) -> None:
+        """A read's answer (or silence): the first answer after a silence unparks the keys that
+        waited for one."""
         if not answered:
-            self._unanswered = True
+            self.reads.failed()
             self._silent.set()
-        elif self._unanswered:
-            self._unanswered = False
-            self._silent.clear()
-            for key in list(self._parked):
+        elif self.reads.answered():
+            self._still_silent()
+            for key, _ in self.reads.release():
                 self._unpark(key)
+
+    def _write_answered(self, answered: bool) -> None:
+        """A write's answer (or silence): the first answer after a silence fires the rewrites that
+        waited for one."""
+        if not answered:
+            self.writes.failed()
+            self._silent.set()
+        elif self.writes.answered():
+            self._still_silent()
             fired = self.fire_server_waits()
             if fired:
-                log.info("the API server answers again: %d write(s) again now", fired)
+                log.info("the API server answers writes again: %d write(s) again now", fired)
                 metrics.REWRITES_EARLY.inc(fired)
+
+    def _still_silent(self) -> None:
+        if not (self.reads.silent or self.writes.silent):
+            self._silent.clear()
 
     async def _outcome(self, key: Key, inp: Input, msg_id: str) -> None:
         """Outcomes this reconciler produced itself go straight to the key's decide loop: they need

@@ -364,7 +364,7 @@ class KeyWriter:
         hold, one append and no outbox round trip. A failed read leaves the request to the outbox."""
         req = decisions[0]
         assert isinstance(req, ConfirmRequested) and self.confirm is not None
-        if self.effects.server_silent:
+        if self.effects.reads_silent:
             # the API server is not answering: the read goes to the outbox (parked there, holding
             # no worker, tried again when it answers) rather than hold this input, and the inputs
             # of other keys behind it, for the read's timeout
@@ -375,9 +375,9 @@ class KeyWriter:
         except Exception as exc:
             log.info("inline confirm failed (%r); leaving it to the outbox", exc, extra={"key": state.key})
             if isinstance(exc, KubeUnavailable | TimeoutError):
-                self.effects.server_answered(False)
+                self.effects.read_answered(False)
             return decisions
-        self.effects.server_answered(True)
+        self.effects.read_answered(True)
         after = fold_all(copy_state(state), decisions)
         return decisions + decide(after, read, self.env())
 

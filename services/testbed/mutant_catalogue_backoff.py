@@ -101,16 +101,16 @@ BACKOFFS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "a-refusal-taken-for-the-servers-silence", "services/reconciler/effects.py",
-        "                self._server_answered(not done.unanswered)\n",
-        "                self._server_answered(done.outcome != \"failed\")\n",
+        "                self._write_answered(not done.unanswered)\n",
+        "                self._write_answered(done.outcome != \"failed\")\n",
         "rule 12: a refused write (a 403, a 422) is an answer; only silence waits for the API server, and its "
         "first answer ends the wait",
         ("tests/reconciler/test_rewrite_early.py",),
     ),
     Mutant(
         "no-canary-while-the-server-is-silent", "services/reconciler/effects.py",
-        "            while self._unanswered and self._server_waits:\n",
-        "            while False:\n",
+        "            if self.writes.silent and (write := self.writes.canary()) is not None:\n",
+        "            if False:\n",
         "rule 12: while the API server is silent one waiting write goes ahead of its backoff now and then, "
         "so that its answer is seen though no other write is made",
         ("tests/reconciler/test_rewrite_early.py",),
@@ -127,7 +127,7 @@ BACKOFFS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "parked-keys-wait-out-their-delay-when-the-server-answers", "services/reconciler/effects.py",
-        "            if self._unanswered and self._parked:  # a parked confirm (or write) tried again now\n",
+        "            if self.reads.silent and (read := self.reads.canary()) is not None:\n",
         "            if False:\n",
         "the keys parked while the API server was away go as soon as it answers (a canary finds out), not "
         "at the end of a delay of up to 30 s",
@@ -159,10 +159,28 @@ BACKOFFS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "inline-confirm-while-the-server-is-silent", "services/reconciler/entries.py",
-        "        if self.effects.server_silent:\n",
+        "        if self.effects.reads_silent:\n",
         "        if False:\n",
         "a new pod is confirmed inline only while the API server answers; silent, the read goes to the outbox "
         "rather than hold the partition's inputs for its timeout",
         ("tests/reconciler/test_effects_parked.py",),
+    ),
+    Mutant(
+        "an-early-write-goes-early-again-at-others-pace", "services/reconciler/silence.py",
+        "        if self.silent and (key, kind) not in self._early:\n",
+        "        if self.silent:\n",
+        "a write that went early and failed again waits out its own delay before it goes early again: where "
+        "the API server answers other keys' writes and not its own (a webhook of one namespace), it must "
+        "not be written at their pace",
+        ("tests/reconciler/test_silence.py",),
+    ),
+    Mutant(
+        "a-read-answered-fires-the-writes", "services/reconciler/effects.py",
+        "        elif self.reads.answered():\n            self._still_silent()\n",
+        "        elif self.reads.answered() | self.writes.answered():\n            self._still_silent()\n"
+        "            self.fire_server_waits()\n",
+        "the API server may answer reads and not writes (a webhook that times out): a read's answer does not "
+        "release the writes that wait for a write's",
+        ("tests/reconciler/test_silence.py",),
     ),
 )

@@ -72,7 +72,7 @@ async def test_failing_effects_hold_no_worker_and_keep_their_keys_order(
         assert all(key not in outcomes for key in waiting), "nothing of a waiting key ran out of order"
         assert not runner.idle.is_set(), "parked keys still have work"
         gateway.away = False
-        runner._server_answered(True)  # (a write of another key was answered meanwhile: unparked now)
+        runner.read_answered(True)  # (a read of another key was answered meanwhile: unparked now)
         await asyncio.wait_for(runner.idle.wait(), 10)
         assert all(outcomes[key] == ["ConfirmedRead", "WriteDone"] for key in waiting), outcomes
         run.cancel()
@@ -120,14 +120,14 @@ async def test_while_the_server_is_silent_a_new_pod_is_not_confirmed_inline(bus:
                      env=lambda: env, confirm=gateway.confirm)
     assert await part.feed("default/a", Observed("default/a", "u1", 1, spec=Spec()))
     assert gateway.calls == [("default/a", "confirm")], "inline, tried once"
-    assert runner.server_silent, "its silence is known"
+    assert runner.reads_silent, "its silence is known"
     pending = [e for e in part.keys["default/a"].state.outbox.values() if isinstance(e, ConfirmRequested)]
     assert len(pending) == 1, "the read is left to the outbox"
     assert await part.feed("default/b", Observed("default/b", "u1", 1, spec=Spec()))
     assert gateway.calls == [("default/a", "confirm")], "silent: not tried inline"
     assert [e for e in part.keys["default/b"].state.outbox.values() if isinstance(e, ConfirmRequested)]
     gateway.away = False
-    runner.server_answered(True)
+    runner.read_answered(True)
     assert await part.feed("default/c", Observed("default/c", "u1", 1, spec=Spec()))
     assert gateway.calls[-1] == ("default/c", "confirm"), "answering again: inline again"
     assert not [e for e in part.keys["default/c"].state.outbox.values() if isinstance(e, ConfirmRequested)]

@@ -141,7 +141,7 @@ async def test_a_silent_server_is_asked_by_a_canary_and_every_write_goes_once_it
         for i, key in enumerate(keys):
             runner.submit(key, _status(key, i))
         await asyncio.wait_for(runner.idle.wait(), 10)
-        assert len(runner._server_waits) == len(keys), "every write failed and waits for the server"
+        assert len(runner.writes) == len(keys), "every write failed and waits for the server"
         gateway.silent = False
         await asyncio.wait_for(all_written.wait(), 10)  # the rewrite timers say 30 s
         run.cancel()

@@ -1,0 +1,80 @@
+"""Whether the API server answers one kind of request, and what waits for its next answer.
+
+The effect runner keeps one of these for writes (a status patch, a binding) and one for reads (a
+new pod's consistent read). A write that failed because the server did not answer
+(``WriteDone.unanswered``) makes the rewrite timers armed from then on wait for a write's answer; a
+read that failed so (``KubeUnavailable``) makes the keys parked from then on wait for a read's. When
+the answer comes they go at once, not at the end of their backoff (up to 30 s); while it does not,
+the oldest goes now and then as a canary. The two kinds are kept apart because a server can take
+one and not the other (an admission webhook that times out stops writes, not reads): a read's
+answer says nothing of the writes.
+
+Something that went early and failed again does not go early again until it has waited out its own
+delay once (``waited_out``): where the server answers some writes and not others (a webhook of one
+namespace), the ones it does not answer back off at worst at half their pace, not at the pace of
+the writes it answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+Ident = tuple[str, str]  # (key, an id of the thing waiting: a timer's id, or the key again)
+
+
+class Silence:
+    def __init__(self) -> None:
+        self.silent = False
+        self._waiting: dict[Ident, str] = {}  # what waits for the next answer, oldest first -> its kind
+        self._early: set[tuple[str, str]] = set()  # (key, kind) went early, its delay not waited out since
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def failed(self) -> None:
+        """A request of this kind was not answered."""
+        self.silent = True
+
+    def answered(self) -> bool:
+        """A request of this kind was answered; True when that ends a silence (``release`` then)."""
+        was, self.silent = self.silent, False
+        return was
+
+    def wait(self, key: str, ident: str, kind: str) -> None:
+        """``ident`` of ``key`` (of ``kind``: a rewrite's purpose, a parked key) was put off after a
+        failure: while the server is silent, it waits for its answer — unless it already went
+        early once since its own delay last ran out."""
+        if self.silent and (key, kind) not in self._early:
+            self._waiting[(key, ident)] = kind
+
+    def drop(self, key: str, ident: str) -> None:
+        """It went another way (its own delay ran out, its key was halted or handed over)."""
+        self._waiting.pop((key, ident), None)
+
+    def drop_keys(self, which: Callable[[str], bool]) -> None:
+        for key, ident in [w for w in self._waiting if which(w[0])]:
+            del self._waiting[(key, ident)]
+        self._early = {e for e in self._early if not which(e[0])}
+
+    def waited_out(self, key: str, kind: str) -> None:
+        """Its own delay ran out, or it was done: it may go early again."""
+        self._early.discard((key, kind))
+
+    def release(self) -> list[Ident]:
+        """Everything waiting, oldest first, to go now (each marked as gone early)."""
+        out = list(self._waiting.items())
+        self._waiting.clear()
+        self._early.update((key, kind) for (key, _), kind in out)
+        return [ident for ident, _ in out]
+
+    def canary(self) -> Ident | None:
+        """The oldest thing waiting, to go now (marked as gone early), or None."""
+        if not self._waiting:
+            return None
+        ident = next(iter(self._waiting))
+        self._early.add((ident[0], self._waiting.pop(ident)))
+        return ident
+
+    def clear(self) -> None:
+        self._waiting.clear()
+        self._early.clear()
