@@ -12,7 +12,7 @@ answer says nothing of the writes.
 Something that went early and failed again does not go early again until it has waited out its own
 delay once (``waited_out``): where the server answers some writes and not others (a webhook of one
 namespace), the ones it does not answer back off at worst at half their pace, not at the pace of
-the writes it answers.
+the writes it answers. A canary is not held to that: canaries go one a second, whatever answers.
 """
 
 from __future__ import annotations
@@ -68,11 +68,12 @@ class Silence:
         return [ident for ident, _ in out]
 
     def canary(self) -> Ident | None:
-        """The oldest thing waiting, to go now (marked as gone early), or None."""
+        """The oldest thing waiting, to go now, or None. Not marked as gone early: canaries go one at
+        a time at their own pace, whatever other keys' answers do; one that fails waits at the back."""
         if not self._waiting:
             return None
         ident = next(iter(self._waiting))
-        self._early.add((ident[0], self._waiting.pop(ident)))
+        del self._waiting[ident]
         return ident
 
     def clear(self) -> None:
