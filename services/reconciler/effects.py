@@ -142,8 +142,8 @@ class EffectRunner:
             self.submit(key, _Fire(timer))
 
         self._timers[handle_key] = (loop.call_later(max(0.0, timer.delay_s), fire), timer)
-        if timer.purpose.startswith(REWRITE_PREFIX):
-            self.writes.wait(key, timer.timer_id, timer.purpose)  # if the server is silent
+        if timer.purpose.startswith(REWRITE_PREFIX) and self.writes.wait(key, timer.timer_id, timer.purpose):
+            self._fire_now(handle_key)  # its write failed in a silence that ended meanwhile
 
     def fire_host_waits(self, worth: Callable[[str, TimerArmed], bool] = lambda key, timer: True) -> int:
         """Fire now every armed check that waits for a host and that ``worth`` says a host that came
@@ -271,7 +271,7 @@ class EffectRunner:
                         self._park(key, exc)
                         break
                     if self._failures.pop(key, None) is not None:
-                        self.reads.waited_out(key, PARKED)
+                        self.reads.done(key, PARKED)
                     q.popleft()
             finally:
                 self._busy -= 1
@@ -288,7 +288,7 @@ class EffectRunner:
         self._parked[key] = asyncio.get_running_loop().call_later(delay, self._unpark_due, key)
         metrics.EFFECTS_PARKED.set(len(self._parked))
         if isinstance(exc, KubeUnavailable):  # a read the API server did not answer: waits for its next
-            self._read_answered(False)
+            self._read_answered(False, key)
             self.reads.wait(key, key, PARKED)
 
     def _unpark_due(self, key: str) -> None:
@@ -332,7 +332,7 @@ class EffectRunner:
                 kind = f"command_{cmd.op}"
             case ConfirmRequested(request=req):
                 read = await self.gateway.confirm(key, req)  # KubeUnavailable: parked (_park)
-                self._read_answered(True)
+                self._read_answered(True, str(key))
                 await self._outcome(key, read, f"{key}|{req}")
                 kind = "confirm"
             case WriteRequested(write=w):
@@ -343,9 +343,9 @@ class EffectRunner:
                     # chart forgot, a 422 of a body the real server refuses) — never a silent retry
                     log.warning("kubernetes %s write failed: %s", w.verb, done.detail,
                                 extra={"key": str(key), "uid": w.fence.uid, "epoch": w.fence.epoch})
-                self._write_answered(not done.unanswered)
+                self._write_answered(not done.unanswered, str(key))
                 if done.outcome == "ok":
-                    self.writes.waited_out(str(key), REWRITE_PREFIX + w.verb)
+                    self.writes.done(str(key), REWRITE_PREFIX + w.verb)
                 if w.verb != "event":
                     await self._outcome(key, done, f"{key}|{w.id}")
                 kind = f"write_{w.verb}"
@@ -362,26 +362,26 @@ class EffectRunner:
         """The API server did not answer the last read (a consistent read of a new pod)."""
         return self.reads.silent
 
-    def read_answered(self, answered: bool) -> None:
-        """What a read made elsewhere (a partition's inline confirm) saw of the API server."""
-        self._read_answered(answered)
+    def read_answered(self, answered: bool, key: str) -> None:
+        """What a read made elsewhere (a partition's inline confirm of ``key``) saw of the API server."""
+        self._read_answered(answered, key)
 
-    def _read_answered(self, answered: bool) -> None:
+    def _read_answered(self, answered: bool, key: str) -> None:
         """A read's answer (or silence): the first answer after a silence unparks the keys that
         waited for one."""
         if not answered:
-            self.reads.failed()
+            self.reads.failed(key)
             self._silent.set()
         elif self.reads.answered():
             self._still_silent()
             for key, _ in self.reads.release():
                 self._unpark(key)
 
-    def _write_answered(self, answered: bool) -> None:
+    def _write_answered(self, answered: bool, key: str) -> None:
         """A write's answer (or silence): the first answer after a silence fires the rewrites that
         waited for one."""
         if not answered:
-            self.writes.failed()
+            self.writes.failed(key)
             self._silent.set()
         elif self.writes.answered():
             self._still_silent()

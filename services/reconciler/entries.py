@@ -375,9 +375,9 @@ class KeyWriter:
         except Exception as exc:
             log.info("inline confirm failed (%r); leaving it to the outbox", exc, extra={"key": state.key})
             if isinstance(exc, KubeUnavailable | TimeoutError):
-                self.effects.read_answered(False)
+                self.effects.read_answered(False, state.key)
             return decisions
-        self.effects.read_answered(True)
+        self.effects.read_answered(True, state.key)
         after = fold_all(copy_state(state), decisions)
         return decisions + decide(after, read, self.env())
 

@@ -27,25 +27,39 @@ class Silence:
         self.silent = False
         self._waiting: dict[Ident, str] = {}  # what waits for the next answer, oldest first -> its kind
         self._early: set[tuple[str, str]] = set()  # (key, kind) went early, its delay not waited out since
+        # silences ended so far, and the one each key's last unanswered request fell in: a request
+        # that failed in a silence and is put off only after it ended goes at once (``wait``)
+        self._ended = 0
+        self._failed_in: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def failed(self) -> None:
-        """A request of this kind was not answered."""
+    def failed(self, key: str) -> None:
+        """A request of this kind, for ``key``, was not answered."""
         self.silent = True
+        self._failed_in[key] = self._ended
 
     def answered(self) -> bool:
         """A request of this kind was answered; True when that ends a silence (``release`` then)."""
         was, self.silent = self.silent, False
+        self._ended += was
         return was
 
-    def wait(self, key: str, ident: str, kind: str) -> None:
+    def wait(self, key: str, ident: str, kind: str) -> bool:
         """``ident`` of ``key`` (of ``kind``: a rewrite's purpose, a parked key) was put off after a
         failure: while the server is silent, it waits for its answer — unless it already went
-        early once since its own delay last ran out."""
-        if self.silent and (key, kind) not in self._early:
+        early once since its own delay last ran out. True: go now instead (marked as gone early),
+        its failure fell in a silence that has ended since (an answer came while it was decided)."""
+        if (key, kind) in self._early:
+            return False
+        if self.silent:
             self._waiting[(key, ident)] = kind
+            return False
+        if self._failed_in.get(key, self._ended) < self._ended:
+            self._early.add((key, kind))
+            return True
+        return False
 
     def drop(self, key: str, ident: str) -> None:
         """It went another way (its own delay ran out, its key was halted or handed over)."""
@@ -55,10 +69,16 @@ class Silence:
         for key, ident in [w for w in self._waiting if which(w[0])]:
             del self._waiting[(key, ident)]
         self._early = {e for e in self._early if not which(e[0])}
+        self._failed_in = {k: n for k, n in self._failed_in.items() if not which(k)}
 
     def waited_out(self, key: str, kind: str) -> None:
-        """Its own delay ran out, or it was done: it may go early again."""
+        """Its own delay ran out: it may go early again."""
         self._early.discard((key, kind))
+
+    def done(self, key: str, kind: str) -> None:
+        """A request of ``key`` was answered: nothing of it waits, it may go early again."""
+        self._early.discard((key, kind))
+        self._failed_in.pop(key, None)
 
     def release(self) -> list[Ident]:
         """Everything waiting, oldest first, to go now (each marked as gone early)."""
@@ -79,3 +99,4 @@ class Silence:
     def clear(self) -> None:
         self._waiting.clear()
         self._early.clear()
+        self._failed_in.clear()

@@ -101,8 +101,8 @@ BACKOFFS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "a-refusal-taken-for-the-servers-silence", "services/reconciler/effects.py",
-        "                self._write_answered(not done.unanswered)\n",
-        "                self._write_answered(done.outcome != \"failed\")\n",
+        "                self._write_answered(not done.unanswered, str(key))\n",
+        "                self._write_answered(done.outcome != \"failed\", str(key))\n",
         "rule 12: a refused write (a 403, a 422) is an answer; only silence waits for the API server, and its "
         "first answer ends the wait",
         ("tests/reconciler/test_rewrite_early.py",),
@@ -167,8 +167,8 @@ BACKOFFS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "an-early-write-goes-early-again-at-others-pace", "services/reconciler/silence.py",
-        "        if self.silent and (key, kind) not in self._early:\n",
-        "        if self.silent:\n",
+        "        if (key, kind) in self._early:\n            return False\n",
+        "",
         "a write that went early and failed again waits out its own delay before it goes early again: where "
         "the API server answers other keys' writes and not its own (a webhook of one namespace), it must "
         "not be written at their pace",
@@ -189,6 +189,15 @@ BACKOFFS: tuple[Mutant, ...] = (
         "        self._early.add((ident[0], self._waiting.pop(ident)))\n",
         "a canary that failed is released with the rest when the server answers: held to its own delay, the "
         "keys that served as canaries during a silence were written up to 30 s after it ended",
+        ("tests/reconciler/test_silence.py",),
+    ),
+    Mutant(
+        "a-retry-armed-after-the-silence-ended-waits-its-backoff", "services/reconciler/silence.py",
+        "        if self._failed_in.get(key, self._ended) < self._ended:\n",
+        "        if False:\n",
+        "a write that failed in a silence which another write's answer ended before its retry was armed goes "
+        "at once: no answer is coming for it to wait for (in bench waiting, about a hundred of 2 000 pods "
+        "were written 30 s after the server came back)",
         ("tests/reconciler/test_silence.py",),
     ),
 )

@@ -72,7 +72,7 @@ async def test_failing_effects_hold_no_worker_and_keep_their_keys_order(
         assert all(key not in outcomes for key in waiting), "nothing of a waiting key ran out of order"
         assert not runner.idle.is_set(), "parked keys still have work"
         gateway.away = False
-        runner.read_answered(True)  # (a read of another key was answered meanwhile: unparked now)
+        runner.read_answered(True, "default/other")  # (a read answered meanwhile: unparked now)
         await asyncio.wait_for(runner.idle.wait(), 10)
         assert all(outcomes[key] == ["ConfirmedRead", "WriteDone"] for key in waiting), outcomes
         run.cancel()
@@ -127,7 +127,7 @@ async def test_while_the_server_is_silent_a_new_pod_is_not_confirmed_inline(bus:
     assert gateway.calls == [("default/a", "confirm")], "silent: not tried inline"
     assert [e for e in part.keys["default/b"].state.outbox.values() if isinstance(e, ConfirmRequested)]
     gateway.away = False
-    runner.read_answered(True)
+    runner.read_answered(True, "default/z")
     assert await part.feed("default/c", Observed("default/c", "u1", 1, spec=Spec()))
     assert gateway.calls[-1] == ("default/c", "confirm"), "answering again: inline again"
     assert not [e for e in part.keys["default/c"].state.outbox.values() if isinstance(e, ConfirmRequested)]

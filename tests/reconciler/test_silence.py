@@ -20,7 +20,7 @@ def test_what_waits_goes_when_the_server_answers_and_only_then() -> None:
     s = Silence()
     s.wait("a", "t1", REWRITE)
     assert len(s) == 0, "nothing waits for a server that answers"
-    s.failed()
+    s.failed("b")
     s.wait("a", "t1", REWRITE)
     s.wait("b", "t2", REWRITE)
     assert s.answered() and s.release() == [("a", "t1"), ("b", "t2")]
@@ -31,17 +31,17 @@ def test_what_went_early_waits_out_its_own_delay_before_it_goes_early_again() ->
     """A webhook of one namespace times out: b's writes are never answered while a's are. b goes
     early once per delay of its own at most, not at the pace of a's answers."""
     s = Silence()
-    s.failed()
+    s.failed("b")
     s.wait("b", "t1", REWRITE)
     s.answered()
     assert s.release() == [("b", "t1")]  # a's write answered: b goes early
-    s.failed()  # and is not answered again
+    s.failed("b")  # and is not answered again
     s.wait("b", "t2", REWRITE)
     assert len(s) == 0, "b went early and failed: it waits out its delay"
     s.answered()
     assert s.release() == []
     s.waited_out("b", REWRITE)  # its timer ran out (it failed again: silent)
-    s.failed()
+    s.failed("b")
     s.wait("b", "t3", REWRITE)
     assert s.answered() and s.release() == [("b", "t3")], "early again, once"
 
@@ -50,7 +50,7 @@ def test_canaries_go_oldest_first_and_a_failed_one_waits_at_the_back() -> None:
     """A canary is not held to waiting out its delay (canaries go one a second whatever answers):
     the server found back later releases it with the rest, not 30 s after."""
     s = Silence()
-    s.failed()
+    s.failed("b")
     for key in ("a", "b"):
         s.wait(key, key, "parked")
     assert s.canary() == ("a", "a")
@@ -62,7 +62,7 @@ def test_canaries_go_oldest_first_and_a_failed_one_waits_at_the_back() -> None:
 
 def test_dropped_keys_wait_no_more() -> None:
     s = Silence()
-    s.failed()
+    s.failed("b")
     s.wait("p0/a", "t1", REWRITE)
     s.wait("p1/b", "t2", REWRITE)
     s.drop_keys(lambda key: key.startswith("p0/"))
@@ -127,11 +127,24 @@ async def test_a_write_the_server_never_answers_for_one_key_goes_early_at_most_e
 async def test_a_read_answered_says_nothing_of_the_writes(bus: Bus) -> None:
     runner = EffectRunner(bus.js, bus.subjects, NullGateway())
     runner.submit = lambda key, work: None  # type: ignore[method-assign]
-    runner._write_answered(False)
+    runner._write_answered(False, "default/b")
     runner.submit_all("default/b", [TimerArmed(Fence("default/b", "u1", 1), "timer:1", 3600.0, REWRITE)])
-    runner.read_answered(True)
+    runner.read_answered(True, "default/c")
     assert len(runner.writes) == 1 and runner.writes.silent, "a read's answer fired a write's wait"
-    runner.read_answered(False)
-    runner._write_answered(True)
+    runner.read_answered(False, "default/c")
+    runner._write_answered(True, "default/a")
     assert len(runner.writes) == 0 and runner.reads_silent, "a write's answer ended the reads' silence"
     runner.close()
+
+
+def test_a_write_that_failed_in_a_silence_that_ended_before_its_retry_was_armed_goes_at_once() -> None:
+    """Its failure was decided while another write's answer ended the silence: its retry, armed
+    after, waits for no answer (none is coming) and goes at once, not after its backoff."""
+    s = Silence()
+    s.failed("b")
+    assert s.answered()  # another key's write answered
+    assert s.release() == []  # b's retry is not armed yet
+    assert s.wait("b", "t1", REWRITE), "armed after the silence ended: at once"
+    assert not s.wait("b", "t2", REWRITE), "once: it went early and waits out its delay"
+    s.done("b", REWRITE)
+    assert not s.wait("b", "t3", REWRITE), "answered since: nothing to go early for"
