@@ -43,7 +43,11 @@ class Silence:
     def answered(self) -> bool:
         """A request of this kind was answered; True when that ends a silence (``release`` then)."""
         was, self.silent = self.silent, False
-        self._ended += was
+        if was:
+            self._ended += 1
+            # a failure older than the silence before this one was decided long since: forgotten
+            # (a key deleted while its writes failed is never answered, and must not be kept)
+            self._failed_in = {k: n for k, n in self._failed_in.items() if n >= self._ended - 1}
         return was
 
     def wait(self, key: str, ident: str, kind: str) -> bool:

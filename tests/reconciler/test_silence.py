@@ -148,3 +148,13 @@ def test_a_write_that_failed_in_a_silence_that_ended_before_its_retry_was_armed_
     assert not s.wait("b", "t2", REWRITE), "once: it went early and waits out its delay"
     s.done("b", REWRITE)
     assert not s.wait("b", "t3", REWRITE), "answered since: nothing to go early for"
+
+
+def test_failures_are_not_kept_past_the_silence_after_theirs() -> None:
+    s = Silence()
+    s.failed("gone")  # a key deleted while its writes failed: never answered
+    s.answered()
+    assert "gone" in s._failed_in, "kept while its silence is the last that ended"
+    s.failed("other")
+    s.answered()
+    assert "gone" not in s._failed_in and "other" in s._failed_in
