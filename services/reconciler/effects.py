@@ -369,30 +369,30 @@ class EffectRunner:
     def _read_answered(self, answered: bool, key: str) -> None:
         """A read's answer (or silence): the first answer after a silence unparks the keys that
         waited for one."""
-        if not answered:
-            self.reads.failed(key)
-            self._silent.set()
-        elif self.reads.answered():
-            self._still_silent()
-            for key, _ in self.reads.release():
-                self._unpark(key)
+        if self._heard(self.reads, answered, key):
+            for parked, _ in self.reads.release():
+                self._unpark(parked)
 
     def _write_answered(self, answered: bool, key: str) -> None:
         """A write's answer (or silence): the first answer after a silence fires the rewrites that
         waited for one."""
-        if not answered:
-            self.writes.failed(key)
-            self._silent.set()
-        elif self.writes.answered():
-            self._still_silent()
+        if self._heard(self.writes, answered, key):
             fired = self.fire_server_waits()
             if fired:
                 log.info("the API server answers writes again: %d write(s) again now", fired)
                 metrics.REWRITES_EARLY.inc(fired)
 
-    def _still_silent(self) -> None:
+    def _heard(self, kind: Silence, answered: bool, key: str) -> bool:
+        """``key``'s request of ``kind`` was answered or not; True when that ends a silence."""
+        if not answered:
+            kind.failed(key)
+            self._silent.set()
+            return False
+        if not kind.answered():
+            return False
         if not (self.reads.silent or self.writes.silent):
             self._silent.clear()
+        return True
 
     async def _outcome(self, key: Key, inp: Input, msg_id: str) -> None:
         """Outcomes this reconciler produced itself go straight to the key's decide loop: they need

@@ -129,7 +129,9 @@ async def test_a_read_answered_says_nothing_of_the_writes(bus: Bus) -> None:
     runner.submit = lambda key, work: None  # type: ignore[method-assign]
     runner._write_answered(False, "default/b")
     runner.submit_all("default/b", [TimerArmed(Fence("default/b", "u1", 1), "timer:1", 3600.0, REWRITE)])
-    runner.read_answered(True, "default/c")
+    runner.read_answered(False, "default/c")
+    runner.read_answered(True, "default/c")  # the reads' silence ends
+    assert not runner.reads_silent
     assert len(runner.writes) == 1 and runner.writes.silent, "a read's answer fired a write's wait"
     runner.read_answered(False, "default/c")
     runner._write_answered(True, "default/a")
