@@ -1,5 +1,6 @@
 """However hosts answer — failed, inconclusive, not found, or now and then ok — and however often
-every armed timer fires, a key's outstanding effects stay bounded: no answer arms more than one
+every armed timer fires (the API server answering its writes), a key's outstanding effects stay
+bounded: no answer arms more than one
 retry of a thing, and no retry asks more than it did. A retry per failed answer that asked every
 host (surveys, found here) doubled a key's work every round: the pure kernel is where that shows.
 """
@@ -16,6 +17,10 @@ from shared.fence.schema import (
     Observed,
     Spec,
     TimerFired,
+    VMExited,
+    VMGone,
+    WriteDone,
+    WriteRequested,
 )
 from shared.fence.state import fold_all
 from tests.unit.driver import KEY, Driver
@@ -45,6 +50,21 @@ def _start(d: Driver, scenario: str) -> None:
         case "hibernating":
             d.run_up("u1")
             d.feed(Observed(KEY, "u1", d.next_rv(), spec=Spec(hibernate=True)))
+        case "waking":
+            d.run_up("u1")
+            d.feed(Observed(KEY, "u1", d.next_rv(), spec=Spec(hibernate=True)))
+            (hibernate,) = d.commands("hibernate")
+            d.answer(hibernate, snapshot="/snapshots/u1.mig")
+            d.feed(Observed(KEY, "u1", d.next_rv(), spec=Spec()))
+        case "gone":
+            create = d.run_up("u1")
+            d.feed(VMGone(create.fence, create.host, create.vm_id))
+        case "exited":
+            create = d.run_up("u1")
+            d.feed(VMExited(create.fence, create.host, create.vm_id, 1))
+        case "recreated":
+            d.run_up("u1")
+            d.admit("u2")
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -52,7 +72,8 @@ def _start(d: Driver, scenario: str) -> None:
 def test_hosts_that_do_not_answer_never_multiply_a_keys_work(data: st.DataObject) -> None:
     d = Driver()
     _start(d, data.draw(st.sampled_from(
-        ["admitted", "bound_absent", "deleting", "rebuilding", "adopting", "hibernating"])))
+        ["admitted", "bound_absent", "deleting", "rebuilding", "adopting", "hibernating", "waking", "gone",
+         "exited", "recreated"])))
     for _ in range(ROUNDS):
         for cmd in d.commands():
             outcome = data.draw(st.sampled_from(["failed", "inconclusive", "inconclusive", "not_found", "ok"]))
@@ -60,6 +81,9 @@ def test_hosts_that_do_not_answer_never_multiply_a_keys_work(data: st.DataObject
                 d.answer(cmd, found=[])
             else:
                 d.answer(cmd, outcome)
+        for pending in d.pending(WriteRequested):  # the API server answers (hosts are the doubt here)
+            write = pending.write
+            d.feed(WriteDone(write.fence, write.id, "ok", node=write.node))
         for timer in d.timers():
             d.feed(TimerFired(timer.fence, timer.timer_id))
         assert len(d.state.outbox) <= OUTSTANDING_BOUND, sorted(d.state.outbox)
