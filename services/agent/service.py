@@ -68,6 +68,7 @@ from shared.bus.deadletter import dead_letter
 from shared.bus.provision import StreamsConfig, provision
 from shared.bus.retry import Retry, backoff_delay
 from shared.config import EXIT_CONFIG, start
+from shared.fence.heartbeat import HostHeartbeat
 from shared.fence.keys import Key, encode_token
 from shared.fence.schema import (
     H_KIND,
@@ -75,7 +76,6 @@ from shared.fence.schema import (
     Command,
     CommandResult,
     Fence,
-    HostHeartbeat,
     Inventoried,
     ProbeChanged,
     VMExited,

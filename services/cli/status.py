@@ -18,7 +18,7 @@ from rich.table import Table
 
 from services.cli.common import load_stack, open_bus
 from shared.bus.leases import LeaseValue
-from shared.fence.schema import HostHeartbeat
+from shared.fence.heartbeat import HostHeartbeat
 
 MEMBER_PREFIX = "member."
 

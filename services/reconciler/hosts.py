@@ -15,7 +15,8 @@ from nats.js.kv import KeyValue
 
 from services.reconciler import metrics
 from shared.fence.decide import HostView, placeable
-from shared.fence.schema import HostHeartbeat, PlaceTimer, TimerArmed, purpose_text
+from shared.fence.heartbeat import HostHeartbeat
+from shared.fence.schema import PlaceTimer, TimerArmed, purpose_text
 from shared.fence.state import KeyState
 
 log = logging.getLogger(__name__)

@@ -28,8 +28,8 @@ from typing import Any
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from shared.fence.heartbeat import HostHeartbeat
 from shared.fence.podspec import NODE_PREFIX
-from shared.fence.schema import HostHeartbeat
 
 log = logging.getLogger(__name__)
 

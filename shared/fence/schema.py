@@ -695,39 +695,6 @@ class LogEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     v: int = SCHEMA_VERSION
 
 
-class HostHeartbeat(msgspec.Struct, frozen=True, omit_defaults=True):
-    """What an agent writes into the hosts bucket (key = host name) every few seconds. Liveness is
-    judged by the bucket's TTL and the KV entry's own timestamp, never by this ``at`` alone."""
-
-    host: str
-    runtime: str
-    cpus_total: int
-    cpus_free: int
-    memory_total_mib: int
-    memory_free_mib: int
-    vms: int
-    at: float  # the agent's wall clock, informational
-    ip: str | None = None
-    accel: str | None = None
-    # pod networking: "bridge" (VMs have addresses of the host's pool), "user" (QEMU user networking:
-    # VMs have no address reachable from outside), "none"; None from an agent before networking
-    network: str | None = None
-    kubelet_port: int | None = None  # the agent's kubelet endpoint (Node status.daemonEndpoints), None: not served
-    # the host's own CPUs and memory before the agent's reserve (the Node's capacity; ``cpus_total``
-    # and ``memory_total_mib`` are what VMs may use, its allocatable). None: an older agent (= totals)
-    cpus_capacity: int | None = None
-    memory_capacity_mib: int | None = None
-    v: int = SCHEMA_VERSION
-
-
-class DeadLetter(msgspec.Struct, frozen=True):
-    reason: str
-    subject: str
-    data: bytes
-    source: str
-    v: int = SCHEMA_VERSION
-
-
 # ------------------------------------------------------------------------------------ encoders
 
 _json_encoder = msgspec.json.Encoder()

@@ -13,7 +13,8 @@ from nats.aio.client import Client
 from services.agent.config import AgentConfig
 from services.agent.runtime.sim import SimDriver
 from services.agent.service import Agent
-from shared.fence.schema import CommandResult, Fence, HostHeartbeat, Input, Inventoried, ProbeChanged, VMExited, VMGone
+from shared.fence.heartbeat import HostHeartbeat
+from shared.fence.schema import CommandResult, Fence, Input, Inventoried, ProbeChanged, VMExited, VMGone
 from shared.subjects import Subjects
 
 from .conftest import HOST, Reports, command, fence, send, sim_driver

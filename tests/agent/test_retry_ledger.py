@@ -27,7 +27,8 @@ from services.agent.ledger import Ledger
 from services.agent.runtime import VMInfo
 from services.agent.runtime.sim import SimDriver
 from services.agent.service import Agent
-from shared.fence.schema import CommandResult, HostHeartbeat, Input
+from shared.fence.heartbeat import HostHeartbeat
+from shared.fence.schema import CommandResult, Input
 
 from .conftest import HOST, Reports, command, fence, send, sim_driver
 

@@ -25,7 +25,8 @@ import pytest
 
 from services.testbed.natsserver import NatsServer, free_port
 from shared.bus.provision import StreamsConfig, provision
-from shared.fence.schema import Command, CommandResult, Fence, HostHeartbeat, Spec, decode_input, encode
+from shared.fence.heartbeat import HostHeartbeat
+from shared.fence.schema import Command, CommandResult, Fence, Spec, decode_input, encode
 from shared.subjects import Subjects
 from tests.agent.test_process import AgentProc
 

@@ -295,7 +295,7 @@ def test_the_heartbeat_age_gauge_reports_each_host_a_reconciler_sees() -> None:
     from prometheus_client import REGISTRY
 
     from services.reconciler.hosts import HostsView
-    from shared.fence.schema import HostHeartbeat
+    from shared.fence.heartbeat import HostHeartbeat
 
     view = HostsView()
     view.update(HostHeartbeat(host="gauge-host", runtime="sim", cpus_total=2, cpus_free=2,

@@ -8,7 +8,7 @@ from kubernetes_asyncio import client
 
 from services.apiserver.server import ApiServer
 from services.reconciler.nodes import sync_nodes
-from shared.fence.schema import HostHeartbeat
+from shared.fence.heartbeat import HostHeartbeat
 
 
 def hb(host: str, **kw: Any) -> HostHeartbeat:

@@ -12,8 +12,9 @@ from services.agent.service import Agent
 from shared.bus.append import publish_input
 from shared.bus.connect import Bus
 from shared.bus.read import read_stream
+from shared.fence.heartbeat import HostHeartbeat
 from shared.fence.keys import Key
-from shared.fence.schema import HostHeartbeat, LogEntry, Observed, decode_entry, encode
+from shared.fence.schema import LogEntry, Observed, decode_entry, encode
 
 WAIT_S = 30.0
 

@@ -18,8 +18,9 @@ from services.reconciler.kube import NullGateway
 from services.reconciler.service import Reconciler
 from shared.bus.connect import Bus
 from shared.fence.decide import HostView
+from shared.fence.heartbeat import HostHeartbeat
 from shared.fence.keys import Key
-from shared.fence.schema import Fence, HostHeartbeat, RetryTimer, Spec, SurveyTimer, TimerArmed, purpose_text
+from shared.fence.schema import Fence, RetryTimer, Spec, SurveyTimer, TimerArmed, purpose_text
 from shared.fence.state import Incarnation, KeyState
 from tests.reconciler.helpers import observe, sim_agent, wait_until
 

@@ -16,12 +16,12 @@ from services.testbed.natsserver import start_nats
 from services.testbed.output import emit
 from shared.bus.connect import Bus
 from shared.bus.provision import StreamsConfig, provision
+from shared.fence.heartbeat import HostHeartbeat
 from shared.fence.keys import Key
 from shared.fence.schema import (
     H_KIND,
     VERIFY_KIND,
     CommandResult,
-    HostHeartbeat,
     Observed,
     PartitionVerified,
     Spec,
