@@ -224,7 +224,7 @@ class EffectRunner:
     async def _canaries(self) -> None:
         """While the API server is silent, every SERVER_CANARY_S the oldest key parked for a read it
         did not answer is tried again, and the oldest write that waits for it goes (its timer fired
-        early): the first one it answers releases the rest (``_read_answered``, ``_write_answered``)."""
+        early): the first one it answers releases the rest (``read_answered``, ``_write_answered``)."""
         while True:
             await self._silent.wait()
             await asyncio.sleep(SERVER_CANARY_S)  # the canaries' period, not a synchronisation
@@ -288,7 +288,7 @@ class EffectRunner:
         self._parked[key] = asyncio.get_running_loop().call_later(delay, self._unpark_due, key)
         metrics.EFFECTS_PARKED.set(len(self._parked))
         if isinstance(exc, KubeUnavailable):  # a read the API server did not answer: waits for its next
-            self._read_answered(False, key)
+            self.read_answered(False, key)
             self.reads.wait(key, key, PARKED)
 
     def _unpark_due(self, key: str) -> None:
@@ -332,7 +332,7 @@ class EffectRunner:
                 kind = f"command_{cmd.op}"
             case ConfirmRequested(request=req):
                 read = await self.gateway.confirm(key, req)  # KubeUnavailable: parked (_park)
-                self._read_answered(True, str(key))
+                self.read_answered(True, str(key))
                 await self._outcome(key, read, f"{key}|{req}")
                 kind = "confirm"
             case WriteRequested(write=w):
@@ -363,12 +363,8 @@ class EffectRunner:
         return self.reads.silent
 
     def read_answered(self, answered: bool, key: str) -> None:
-        """What a read made elsewhere (a partition's inline confirm of ``key``) saw of the API server."""
-        self._read_answered(answered, key)
-
-    def _read_answered(self, answered: bool, key: str) -> None:
-        """A read's answer (or silence): the first answer after a silence unparks the keys that
-        waited for one."""
+        """A read's answer (or silence), made here or elsewhere (a partition's inline confirm of
+        ``key``): the first answer after a silence unparks the keys that waited for one."""
         if self._heard(self.reads, answered, key):
             for parked, _ in self.reads.release():
                 self._unpark(parked)

@@ -135,8 +135,7 @@ BACKOFFS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "a-survey-retry-per-failed-answer", DECIDE_RESULTS,
-        "    if any(isinstance(e, TimerArmed) and e.purpose == _SURVEY for e in run.s.outbox.values()):\n"
-        "        return\n",
+        "    if survey_retry_armed(run.s):\n        return\n",
         "",
         "rule 12: one survey retry at a time; a retry per failed answer, each asking every host, doubled the "
         "surveys every round while the hosts did not answer",

@@ -174,9 +174,7 @@ def _done(s: KeyState, d: Done) -> None:
         if d.outcome == "ok" and not any(_is_survey(e) for e in s.outbox.values()):
             s.rebuilding = False  # the round's last answer, and none failed (its retry is armed)
             s.survey_failures = 0
-        elif d.outcome not in ("ok", "fenced") and not any(
-            isinstance(e, TimerArmed) and e.purpose == _SURVEY for e in s.outbox.values()
-        ):
+        elif d.outcome not in ("ok", "fenced") and not survey_retry_armed(s):
             s.survey_failures += 1  # the round's first failed answer (its retry is not armed yet)
     if s.verifying and eid in s.verifying:
         if d.outcome != "ok":
@@ -453,6 +451,11 @@ def _gen_of(key: str, uid: str, vm_id: str) -> int:
 def survey_pending(s: KeyState) -> bool:
     """A survey round of the key is out, or its retry is armed."""
     return bool(s.verifying) or any(_is_survey(e) for e in s.outbox.values())
+
+
+def survey_retry_armed(s: KeyState) -> bool:
+    """A retry of the key's survey round is armed (one at a time: its round asks every host)."""
+    return any(isinstance(e, TimerArmed) and e.purpose == _SURVEY for e in s.outbox.values())
 
 
 def _is_survey(eff: Effect) -> bool:

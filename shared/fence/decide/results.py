@@ -32,14 +32,10 @@ from shared.fence.schema import (
     Skipped,
     SkipReason,
     SurveyTimer,
-    TimerArmed,
     VMExited,
     VMGone,
-    purpose_text,
 )
-from shared.fence.state import Incarnation, KeyState, VMRec
-
-_SURVEY = purpose_text(SurveyTimer())
+from shared.fence.state import Incarnation, KeyState, VMRec, survey_retry_armed
 
 
 class _Answer(msgspec.Struct, frozen=True):
@@ -231,10 +227,10 @@ def _surveyed(run: _Run, a: _Answer) -> None:
 
 def _resurvey(run: _Run, a: _Answer) -> None:
     """A survey without an answer is asked again: no VM is made on a guess. One retry at a time (its
-    round asks every host again), after a backoff per failed answer (``retry_backoff_s``): a retry
-    per failed answer, each asking every host, doubled the surveys every round while hosts did not
-    answer."""
-    if any(isinstance(e, TimerArmed) and e.purpose == _SURVEY for e in run.s.outbox.values()):
+    round asks every host again), after a backoff per round with a failed answer
+    (``retry_backoff_s``): a retry per failed answer, each asking every host, doubled the surveys
+    every round while hosts did not answer."""
+    if survey_retry_armed(run.s):
         return
     _arm(run, a.cmd.fence, SurveyTimer(), retry_backoff_s(run.s.survey_failures - 1))
 
