@@ -199,4 +199,20 @@ BACKOFFS: tuple[Mutant, ...] = (
         "were written 30 s after the server came back)",
         ("tests/reconciler/test_silence.py",),
     ),
+    Mutant(
+        "a-failed-status-write-retried-beside-a-newer-one", DECIDE_WRITES,
+        "    if write.verb == \"status\" and status_write_out(run.s, cur.fence):\n",
+        "    if False:\n",
+        "rule 12: a failed status write is not retried while a newer one is out or a rewrite is armed; each "
+        "status change during an API-server outage kept a write and a rewrite of its own",
+        ("tests/unit/test_no_amplification.py", "tests/unit/test_rewrite_backoff.py"),
+    ),
+    Mutant(
+        "a-status-rewrite-beside-a-newer-write", DECIDE_TIMERS,
+        "    if status_write_out(run.s, cur.fence):\n        return\n    status = wanted_status",
+        "    status = wanted_status",
+        "rule 12: a status rewrite that finds a newer status write out leaves it to that one, not a "
+        "second write beside it",
+        ("tests/unit/test_rewrite_backoff.py",),
+    ),
 )

@@ -39,6 +39,7 @@ from shared.fence.schema import (
     Released,
     Restarting,
     RetryTimer,
+    RewriteTimer,
     Skipped,
     Spec,
     SpecChanged,
@@ -58,6 +59,7 @@ TOMBSTONE_LIMIT = 64
 # the stored purposes (schema.purpose_text) of timers that send a command on a VM again
 _RESENDS = ("retry/", "adopt/")
 _SURVEY = purpose_text(SurveyTimer())
+_REWRITE_STATUS = purpose_text(RewriteTimer("status"))
 
 VMState = Literal[
     "creating", "running", "exited", "removing", "hibernating", "waking", "adopting", "discovered"
@@ -456,6 +458,18 @@ def survey_pending(s: KeyState) -> bool:
 def survey_retry_armed(s: KeyState) -> bool:
     """A retry of the key's survey round is armed (one at a time: its round asks every host)."""
     return any(isinstance(e, TimerArmed) and e.purpose == _SURVEY for e in s.outbox.values())
+
+
+def status_write_out(s: KeyState, fence: Fence) -> bool:
+    """A status write of ``fence`` is on its way, or a rewrite of it armed: either writes the
+    status wanted when it goes, so a failed one needs no retry of its own (one per status change,
+    through an API-server outage, piled up)."""
+    for e in s.outbox.values():
+        if isinstance(e, WriteRequested) and e.write.verb == "status" and e.write.fence == fence:
+            return True
+        if isinstance(e, TimerArmed) and e.purpose == _REWRITE_STATUS and e.fence == fence:
+            return True
+    return False
 
 
 def _is_survey(eff: Effect) -> bool:

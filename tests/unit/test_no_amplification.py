@@ -67,13 +67,15 @@ def _start(d: Driver, scenario: str) -> None:
             d.admit("u2")
 
 
+SCENARIOS = ["admitted", "bound_absent", "deleting", "rebuilding", "adopting", "hibernating", "waking", "gone",
+             "exited", "recreated"]
+
+
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_hosts_that_do_not_answer_never_multiply_a_keys_work(data: st.DataObject) -> None:
     d = Driver()
-    _start(d, data.draw(st.sampled_from(
-        ["admitted", "bound_absent", "deleting", "rebuilding", "adopting", "hibernating", "waking", "gone",
-         "exited", "recreated"])))
+    _start(d, data.draw(st.sampled_from(SCENARIOS)))
     for _ in range(ROUNDS):
         for cmd in d.commands():
             outcome = data.draw(st.sampled_from(["failed", "inconclusive", "inconclusive", "not_found", "ok"]))
@@ -88,3 +90,34 @@ def test_hosts_that_do_not_answer_never_multiply_a_keys_work(data: st.DataObject
             d.feed(TimerFired(timer.fence, timer.timer_id))
         assert len(d.state.outbox) <= OUTSTANDING_BOUND, sorted(d.state.outbox)
         assert len(d.commands("survey")) <= 2, "one survey round at a time"
+
+
+def _status_writes_out(d: Driver) -> int:
+    writes = [p for p in d.pending(WriteRequested) if p.write.verb == "status"]
+    rewrites = [t for t in d.timers() if t.purpose == "rewrite/status"]
+    return len(writes) + len(rewrites)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_an_api_server_that_fails_writes_never_piles_up_a_pods_status_writes(data: st.DataObject) -> None:
+    """Hosts answer as above and the API server fails most writes: each status change made during
+    the outage asked for a write of its own, and each failed one was rewritten on its own backoff, so
+    a pod's status writes grew with its changes. One is out at a time, besides a change just made."""
+    d = Driver()
+    _start(d, data.draw(st.sampled_from(SCENARIOS)))
+    for _ in range(ROUNDS):
+        for cmd in d.commands():
+            outcome = data.draw(st.sampled_from(["failed", "inconclusive", "not_found", "ok", "ok"]))
+            if cmd.op == "survey" and outcome == "ok":
+                d.answer(cmd, found=[])
+            else:
+                d.answer(cmd, outcome)
+        for pending in d.pending(WriteRequested):
+            write = pending.write
+            outcome = data.draw(st.sampled_from(["failed", "failed", "failed", "ok"]))
+            d.feed(WriteDone(write.fence, write.id, outcome, node=write.node))
+        assert _status_writes_out(d) <= 1, sorted(d.state.outbox)
+        for timer in d.timers():
+            d.feed(TimerFired(timer.fence, timer.timer_id))
+        assert len(d.state.outbox) <= OUTSTANDING_BOUND, sorted(d.state.outbox)

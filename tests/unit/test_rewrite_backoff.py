@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from shared.fence.audit import audit
 from shared.fence.decide import REWRITE_MAX_S, DecideEnv, HostView, rewrite_backoff_s
-from shared.fence.schema import Spec, TimerArmed, TimerFired, WriteDone
+from shared.fence.schema import ProbeChanged, Spec, TimerArmed, TimerFired, WriteDone
 from tests.unit.driver import Driver, of
 
 ENV = DecideEnv(hosts=[HostView("host-a", 8, 8192)])
@@ -56,4 +56,35 @@ def test_a_rewritten_status_is_one_write_saying_why_the_pod_waits() -> None:
         d.feed(WriteDone(status.fence, status.id, "failed", "503"))
         (timer,) = [t for t in d.timers() if t.purpose == "rewrite/status"]
         d.feed(TimerFired(timer.fence, timer.timer_id))
+    assert audit(d.log, final=False).clean
+
+
+def _status_writes(d: Driver) -> list:  # type: ignore[type-arg]
+    return [w.write for w in d.writes("status")]
+
+
+def test_a_failed_status_write_is_rewritten_once_however_often_the_status_changed_meanwhile() -> None:
+    """Through an API-server outage each change of a pod's status asked for a write of its own, and
+    each of those that failed armed a rewrite of its own: a pod's status writes grew with its
+    changes. A failed one is left to a newer write that is out, and a rewrite that fires after a
+    change leaves the write to that change's; the status written is the one wanted last."""
+    d = Driver()
+    create = d.run_up("u1")
+    (running,) = _status_writes(d)
+    d.feed(WriteDone(running.fence, running.id, "failed", "503"))
+    (rewrite,) = [t for t in d.timers() if t.purpose == "rewrite/status"]
+    d.feed(ProbeChanged(create.fence, create.host, create.vm_id, True))  # a change: a write of its own
+    (ready,) = _status_writes(d)
+    assert ready.status is not None and ready.status.ready
+    d.feed(TimerFired(rewrite.fence, rewrite.timer_id))
+    assert _status_writes(d) == [ready], "the rewrite leaves it to the write of the change"
+    d.feed(ProbeChanged(create.fence, create.host, create.vm_id, False))
+    older, newest = _status_writes(d)
+    d.feed(WriteDone(older.fence, older.id, "failed", "503"))
+    assert not [t for t in d.timers() if t.purpose == "rewrite/status"], "the newer write is out"
+    d.feed(WriteDone(newest.fence, newest.id, "failed", "503"))
+    (rewrite,) = [t for t in d.timers() if t.purpose == "rewrite/status"]
+    d.feed(TimerFired(rewrite.fence, rewrite.timer_id))
+    (last,) = _status_writes(d)
+    assert last.status is not None and not last.status.ready, "the status wanted last"
     assert audit(d.log, final=False).clean

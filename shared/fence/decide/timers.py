@@ -26,7 +26,7 @@ from shared.fence.schema import (
     SurveyTimer,
     WriteRequested,
 )
-from shared.fence.state import Incarnation
+from shared.fence.state import Incarnation, status_write_out
 
 
 def _timer_survey(run: _Run, fence: Fence, p: SurveyTimer) -> None:
@@ -74,7 +74,10 @@ def _timer_adopt(run: _Run, fence: Fence, p: AdoptTimer) -> None:
 def _rewrite_status(run: _Run, cur: Incarnation) -> None:
     # the status the pod should show, as _sync_status words it (a waiting pod's reason and message):
     # with bare status_of, _sync_status saw a difference and requested a second write beside this
-    # one, and under failing writes each rewrite doubled the writes in flight
+    # one, and under failing writes each rewrite doubled the writes in flight. A status write
+    # requested since (a change of status) already carries what is wanted: no second beside it.
+    if status_write_out(run.s, cur.fence):
+        return
     status = wanted_status(run.s, cur) or status_of(cur)
     write = KubeWrite(run.effect_id("status"), "status", cur.fence, status=status)
     run.add(WriteRequested(write))

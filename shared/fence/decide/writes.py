@@ -9,7 +9,7 @@ from shared.fence.decide.deletes import _delete_path, _forget
 from shared.fence.decide.observations import _request_confirm
 from shared.fence.decide.run import _arm, _event, _Run, rewrite_backoff_s
 from shared.fence.schema import KubeWrite, RewriteTimer, Skipped, SpecChanged
-from shared.fence.state import Incarnation
+from shared.fence.state import Incarnation, status_write_out
 
 
 def _written(run: _Run, cur: Incarnation, write: KubeWrite) -> None:
@@ -45,8 +45,12 @@ def _write_failed(run: _Run, cur: Incarnation, write: KubeWrite, node: str | Non
     """Any other failure: the same write again later (a timer: re-check, never destroy), backing
     off per failure in a row (``rewrite_backoff_s``; the Done before this counted it). A binding
     refused because the pod is bound already (409: a scheduler, or another reconciler, was first)
-    names that node: the VM goes there or nowhere, never to the host this binding picked."""
+    names that node: the VM goes there or nowhere, never to the host this binding picked. A
+    failed status write is not retried while a newer one is out or a rewrite is armed: that one
+    writes the status wanted when it goes."""
     if write.verb == "bind" and node is not None:
         _bound_to(run, cur, node)
+        return
+    if write.verb == "status" and status_write_out(run.s, cur.fence):
         return
     _arm(run, cur.fence, RewriteTimer(write.verb), rewrite_backoff_s(cur.write_failures))
