@@ -40,7 +40,7 @@ from services.agent.answers import inventory_responder, vnc_responder
 from services.agent.collect import Collector
 from services.agent.config import AgentConfig, host_cpus, host_memory_mib
 from services.agent.delivery import Malformed, delivered, heals, retry_delay, validate_command
-from services.agent.executor import Executor, VMLocks, labels_fence
+from services.agent.executor import Executor, VMLocks
 from services.agent.kubelet import KubeletServer, KubeletTls
 from services.agent.ledger import LEDGER_FILE, TRANSIENT_STATES, Ledger
 from services.agent.logs import cmd_fields, fence_fields
@@ -54,7 +54,9 @@ from services.agent.network import (
     NetworkError,
     parse_cidr,
 )
+from services.agent.pace import Pace
 from services.agent.probes import Prober
+from services.agent.rounds import round_items
 from services.agent.runtime import (
     RuntimeDriver,
     VMExitedEvent,
@@ -664,29 +666,20 @@ class Agent:
                 lost = await self.executor.check_gone(known.vm_id)
                 if lost is not None:
                     await self._publish_gone(lost, known.vm_id)
-        rows = {r.vm_id: r for r in self.ledger.vms()}
-        for vm_id in sorted(rows.keys() | listed.keys()):
-            row, info = rows.get(vm_id), listed.get(vm_id)
-            fence: Fence | None
-            if row is not None:
-                fence = row.fence
-                state = row.state if row.state in TRANSIENT_STATES or info is None else info.state
-            else:
-                assert info is not None
-                fence, state = labels_fence(info.labels), info.state
-                if fence is None:
-                    log.warning("inventory: VM without vmfence labels, not reported", extra={"vm_id": vm_id})
-                    continue
+        named, pace = 0, Pace(self.config.inventory_rate)
+        async for vm_id, fence, state in round_items(self.ledger, listed, pace, self._sleep):
+            named += 1
             ready = self.prober.readiness(vm_id, fence) if self.prober is not None and state == "running" else None
             payload = Inventoried(fence=fence, host=host, vm_id=vm_id, state=state, round=round_id, ready=ready)
             await self._report("inventory", fence, payload, f"inv:{round_id}:{vm_id}")
+        if self._stopping.is_set():
+            return round_id  # left incomplete, as an agent that died in it would leave it
         # a lost VM's VMGone may never have been stored (the agent died first): rounds repeat it a while
         for tomb in self.ledger.lost(since=time.time() - LOST_REPORTED_S):
             payload = Inventoried(fence=tomb.fence, host=host, vm_id=tomb.vm_id, state="lost", round=round_id)
             await self._report("inventory", tomb.fence, payload, f"inv:{round_id}:{tomb.vm_id}")
         self.metrics.set_vms([r.state for r in self.ledger.vms()])
-        log.info("inventory round %s: %d VMs", round_id, len(rows.keys() | listed.keys()),
-                 extra={"host": host, "event": "inventory"})
+        log.info("inventory round %s: %d VMs", round_id, named, extra={"host": host, "event": "inventory"})
         return round_id
 
     async def _first_heartbeat(self) -> None:

@@ -132,3 +132,41 @@ async def test_a_vm_whose_readiness_is_its_guests_is_not_judged_at_its_bring_up(
         res = await reports.wait(lambda i: isinstance(i, CommandResult) and i.command_id == c.id)
         assert isinstance(res, CommandResult) and res.outcome == "ok" and res.ready is None
         await reports.wait(lambda i: isinstance(i, ProbeChanged) and i.vm_id == "g-1" and i.ready and i.fence == f)
+
+
+async def test_a_round_is_paced_and_names_no_vm_removed_while_it_went_on(
+    nc: Client, reports: Reports, make_config: Callable[..., AgentConfig]
+) -> None:
+    """A round's items go at ``--inventory-rate`` (a host's whole round at once queued every pod's
+    input behind it at the reconcilers: p99 to Bound 0.25 s at 50 pods/s, 25 ms paced). Paced, a
+    round lasts longer, so each item is read from the ledger when it goes: a VM removed meanwhile is
+    not named (the reconciler would take a stale "running" for a VM it does not know)."""
+    cfg = make_config(inventory_rate=1.0)  # an item a second: each after the first waits its turn
+    driver = sim_driver(cfg)
+    fences = [fence(1, key=f"default/pod-{i}") for i in range(3)]
+    async with Agent(cfg, driver=driver) as agent:
+        for i, f in enumerate(fences):
+            c = command("create", f"p-{i}", f)
+            await send(nc, c)
+            await reports.wait(lambda x, c=c: isinstance(x, CommandResult) and x.command_id == c.id)
+        waits: list[float] = []
+        turn = asyncio.Event()
+
+        async def paced(seconds: float) -> bool:
+            waits.append(seconds)
+            await turn.wait()
+            return False
+
+        agent._sleep = paced  # type: ignore[method-assign]
+        rnd = asyncio.create_task(agent.inventory())
+        first = await reports.wait(lambda x: isinstance(x, Inventoried) and x.vm_id == "p-0")
+        assert isinstance(first, Inventoried)
+        remove = command("remove", "p-2", fences[2])
+        await send(nc, remove)
+        await reports.wait(lambda x: isinstance(x, CommandResult) and x.command_id == remove.id)
+        assert not rnd.done() and waits, "the second item waits for its turn"
+        turn.set()
+        round_id = await asyncio.wait_for(rnd, 10)
+        named = {x.vm_id for x in reports.items if isinstance(x, Inventoried) and x.round == round_id}
+        assert named == {"p-0", "p-1"}
+        assert 0.5 < waits[0] <= 1.0

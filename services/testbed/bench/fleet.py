@@ -705,7 +705,7 @@ async def run_fleet(size: dict[str, Any], sizes: list[int], loads: list[int], se
     return out
 
 
-def main() -> None:  # pragma: no cover - manual: python -m services.testbed.bench.fleet 1000 [rate] [hand-over pods]
+def main() -> None:  # pragma: no cover - manual: python -m services.testbed.bench.fleet 1000 [rate] [hand-overs] [s]
     import sys
 
     from services.testbed.bench.suite import SIZES
@@ -715,12 +715,13 @@ def main() -> None:  # pragma: no cover - manual: python -m services.testbed.ben
     loads = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "50").split(",")]
     tmp = os.environ.get("TMPDIR", "/tmp") + f"/vmfence-fleet-{os.getpid()}"
     handover = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    held_s = float(sys.argv[4]) if len(sys.argv) > 4 else 5.0  # how long each load is offered (the issue: 60)
     # SIGTERM too ends the run through its cleanup: the fleet's processes start in sessions of their
     # own and would outlive a harness that just died (and weigh on the next run's figures)
     from services.testbed.bench.wakeup import ROUND_TRIPS
 
     size = {**SIZES["smoke"], "wakeup_round_trips": ROUND_TRIPS}
-    fleet = run_fleet(size, sizes, loads, 5.0, tmp, say=lambda s: print(s, file=sys.stderr),
+    fleet = run_fleet(size, sizes, loads, held_s, tmp, say=lambda s: print(s, file=sys.stderr),
                       profile_dir=os.environ.get("VMFENCE_BENCH_PROFILE"), handover_pods=handover)
     res = run_main(interruptible(fleet))
     print(json.dumps(res, indent=2))

@@ -33,6 +33,7 @@ STAGES = (
     "result_to_bound",  # reconciler: fetch, append of the binding entry
     "total",
 )
+SLOWEST = 30
 
 
 def _first(seen: list[tuple[float, bytes]], decode: Callable[[bytes], Any],
@@ -88,6 +89,8 @@ async def run_stages(rate: int, seconds: float, before: int, tmp: str) -> dict[s
                 elif isinstance(d, Bound):
                     marks.setdefault("bound", rec.ts)
         stages: dict[str, list[float]] = {s: [] for s in STAGES}
+        slow: list[dict[str, Any]] = []
+        first = min(created.values())
         for name in names:
             key = f"{NS}/{name}"
             m = entries.get(key, {})
@@ -99,11 +102,17 @@ async def run_stages(rate: int, seconds: float, before: int, tmp: str) -> dict[s
             for stage, (a, b) in zip(STAGES, itertools.pairwise(ts), strict=False):
                 stages[stage].append(b - a)
             stages["total"].append(ts[-1] - ts[0])
+            slow.append({"created_at_s": r4(ts[0] - first), "total": r4(ts[-1] - ts[0]),
+                         **{stage: r4(b - a) for stage, (a, b) in zip(STAGES, itertools.pairwise(ts), strict=False)}})
+    slow.sort(key=lambda row: -row["total"])
     return {
         "offered_per_s": rate, "offered_for_s": seconds, "pods": n, "pods_before": before,
         "timed": len(stages["total"]),
         "stages_s": {s: {"p50": r4(pct(v, 50)), "p90": r4(pct(v, 90)), "p99": r4(pct(v, 99))}
                      for s, v in stages.items()},
+        # when in the run the slowest pods were created, and their stages: a tail that comes in
+        # bursts at a period is periodic work (snapshots, images, sweeps), not the load
+        "slowest": slow[:SLOWEST],
     }  # fmt: skip
 
 
