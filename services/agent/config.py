@@ -144,8 +144,9 @@ class AgentConfig(ServiceSettings):
     image_dir: str = setting("", "where relative guest image names resolve", shown_default="<data-dir>/images")
     inventory_interval: float = _seconds(60.0, "seconds between inventory rounds")
     inventory_rate: float = setting(
-        500.0, "a round's VMs reported per second at most (a host's whole round at once queued every pod's "
-        "input behind it at the reconcilers); 0 = unpaced", lo=0.0)
+        100.0, "a round's VMs reported per second at most (a host's whole round at once queued every pod's "
+        "input behind it at the reconcilers; a host with more VMs than this times --inventory-interval has "
+        "its rounds back to back); 0 = unpaced", lo=0.0)
     heartbeat_interval: float = _seconds(5.0, "seconds between heartbeats")
     probe_interval: float = _seconds(2.0, "seconds between readiness probes per VM")
     probe_timeout: float = _seconds(5.0, "seconds one probe may take")

@@ -17,12 +17,16 @@ from shared.fence.schema import Fence
 log = logging.getLogger("vmfence.agent")
 
 
-async def round_items(ledger: Ledger, listed: dict[str, VMInfo], pace: Pace,
+async def round_items(ledger: Ledger, listed: dict[str, VMInfo], rate: float, within_s: float,
                       sleep: Callable[[float], Awaitable[bool]]) -> AsyncIterator[tuple[str, Fence, str]]:
-    """(vm_id, fence, state) of each VM the round names; ends early when ``sleep`` says stop (the
-    round is then left incomplete, as an agent that died in it would leave it)."""
+    """(vm_id, fence, state) of each VM the round names, at ``rate`` a second but never so slow that
+    the round outlasts ``within_s`` (the interval: rounds then start at most two intervals apart, inside
+    the reconciler's stale sweep); ends early when ``sleep`` says stop (the round is then left
+    incomplete, as an agent that died in it would leave it). ``rate`` 0: unpaced."""
     in_ledger = {r.vm_id for r in ledger.vms()}
-    for vm_id in sorted(in_ledger | listed.keys()):
+    named = sorted(in_ledger | listed.keys())
+    pace = Pace(max(rate, len(named) / within_s) if rate > 0 else 0.0)
+    for vm_id in named:
         if await pace.next(sleep):
             return
         row, info = ledger.vm(vm_id), listed.get(vm_id)

@@ -54,7 +54,6 @@ from services.agent.network import (
     NetworkError,
     parse_cidr,
 )
-from services.agent.pace import Pace
 from services.agent.probes import Prober
 from services.agent.rounds import round_items
 from services.agent.runtime import (
@@ -666,8 +665,9 @@ class Agent:
                 lost = await self.executor.check_gone(known.vm_id)
                 if lost is not None:
                     await self._publish_gone(lost, known.vm_id)
-        named, pace = 0, Pace(self.config.inventory_rate)
-        async for vm_id, fence, state in round_items(self.ledger, listed, pace, self._sleep):
+        named, cfg = 0, self.config
+        async for vm_id, fence, state in round_items(self.ledger, listed, cfg.inventory_rate, cfg.inventory_interval,
+                                                     self._sleep):
             named += 1
             ready = self.prober.readiness(vm_id, fence) if self.prober is not None and state == "running" else None
             payload = Inventoried(fence=fence, host=host, vm_id=vm_id, state=state, round=round_id, ready=ready)

@@ -217,12 +217,12 @@ BACKOFFS: tuple[Mutant, ...] = (
         ("tests/unit/test_rewrite_backoff.py",),
     ),
     Mutant(
-        "an-inventory-round-unpaced", "services/agent/service.py",
-        "        named, pace = 0, Pace(self.config.inventory_rate)\n",
-        "        named, pace = 0, Pace(0)\n",
+        "an-inventory-round-unpaced", "services/agent/rounds.py",
+        "    pace = Pace(max(rate, len(named) / within_s) if rate > 0 else 0.0)\n",
+        "    pace = Pace(0.0)\n",
         "a host's inventory round goes at --inventory-rate: all at once, it queued every pod's input behind "
         "it at the reconcilers (p99 to Bound 0.25 s at 50 pods/s, 25 ms paced)",
-        ("tests/agent/test_reports.py",),
+        ("tests/agent/test_reports.py", "tests/agent/test_pace.py"),
     ),
     Mutant(
         "a-paced-round-names-a-vm-removed-meanwhile", "services/agent/rounds.py",
@@ -231,5 +231,13 @@ BACKOFFS: tuple[Mutant, ...] = (
         "a paced round reads each VM from the ledger when its item goes: a VM removed since the round began "
         "is not named (a stale running for a VM the log forgot is discovered and removed again)",
         ("tests/agent/test_reports.py",),
+    ),
+    Mutant(
+        "an-inventory-round-outlasts-its-interval", "services/agent/rounds.py",
+        "max(rate, len(named) / within_s) if rate > 0",
+        "rate if rate > 0",
+        "a round is paced no slower than its interval allows: a host with more VMs than the rate times the "
+        "interval had rounds far apart, past the reconciler's stale sweep, which inspects VMs no round named",
+        ("tests/agent/test_pace.py",),
     ),
 )

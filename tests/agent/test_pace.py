@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 from services.agent.pace import BURST_S, Pace
+from services.agent.rounds import round_items
+from shared.fence.schema import Fence
 
 
 class _Clock:
@@ -46,3 +48,38 @@ async def test_a_stop_during_the_wait_ends_the_round() -> None:
     pace = Pace(1.0, clock)
     assert not await pace.next(stopping)  # the first goes at once
     assert await pace.next(stopping)
+
+
+class _Row:
+    def __init__(self, vm_id: str) -> None:
+        self.vm_id, self.state, self.fence = vm_id, "running", Fence("default/p", "u", 1)
+
+
+class _Ledger:
+    def __init__(self, n: int) -> None:
+        self.rows = {f"vm-{i:04d}": _Row(f"vm-{i:04d}") for i in range(n)}
+
+    def vms(self) -> list[_Row]:
+        return list(self.rows.values())
+
+    def vm(self, vm_id: str) -> _Row | None:
+        return self.rows.get(vm_id)
+
+
+async def test_a_round_never_outlasts_its_interval_however_low_the_rate() -> None:
+    """A host with more VMs than the rate times the interval is paced faster: its rounds then start
+    at most two intervals apart, inside the reconciler's stale sweep (180 s), which would otherwise
+    inspect VMs a slow round had not reached yet."""
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> bool:
+        waits.append(seconds)
+        return False
+
+    ledger = _Ledger(1000)
+    items = [x async for x in round_items(ledger, {}, 1.0, 10.0, sleep)]  # type: ignore[arg-type]
+    assert len(items) == 1000
+    assert 9.0 < max(waits) <= 10.0, "1 000 VMs within 10 s: 100 a second, not 1"
+    waits.clear()
+    assert len([x async for x in round_items(ledger, {}, 0.0, 10.0, sleep)]) == 1000  # type: ignore[arg-type]
+    assert waits == [], "0: unpaced"
