@@ -71,18 +71,23 @@ SCENARIOS = ["admitted", "bound_absent", "deleting", "rebuilding", "adopting", "
              "exited", "recreated"]
 
 
+def _hosts_answer(d: Driver, data: st.DataObject, outcomes: list[str]) -> None:
+    """Every command out is answered with a drawn outcome (a survey's ok finds nothing)."""
+    for cmd in d.commands():
+        outcome = data.draw(st.sampled_from(outcomes))
+        if cmd.op == "survey" and outcome == "ok":
+            d.answer(cmd, found=[])
+        else:
+            d.answer(cmd, outcome)
+
+
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_hosts_that_do_not_answer_never_multiply_a_keys_work(data: st.DataObject) -> None:
     d = Driver()
     _start(d, data.draw(st.sampled_from(SCENARIOS)))
     for _ in range(ROUNDS):
-        for cmd in d.commands():
-            outcome = data.draw(st.sampled_from(["failed", "inconclusive", "inconclusive", "not_found", "ok"]))
-            if cmd.op == "survey" and outcome == "ok":
-                d.answer(cmd, found=[])
-            else:
-                d.answer(cmd, outcome)
+        _hosts_answer(d, data, ["failed", "inconclusive", "inconclusive", "not_found", "ok"])
         for pending in d.pending(WriteRequested):  # the API server answers (hosts are the doubt here)
             write = pending.write
             d.feed(WriteDone(write.fence, write.id, "ok", node=write.node))
@@ -107,12 +112,7 @@ def test_an_api_server_that_fails_writes_never_piles_up_a_pods_status_writes(dat
     d = Driver()
     _start(d, data.draw(st.sampled_from(SCENARIOS)))
     for _ in range(ROUNDS):
-        for cmd in d.commands():
-            outcome = data.draw(st.sampled_from(["failed", "inconclusive", "not_found", "ok", "ok"]))
-            if cmd.op == "survey" and outcome == "ok":
-                d.answer(cmd, found=[])
-            else:
-                d.answer(cmd, outcome)
+        _hosts_answer(d, data, ["failed", "inconclusive", "not_found", "ok", "ok"])
         for pending in d.pending(WriteRequested):
             write = pending.write
             outcome = data.draw(st.sampled_from(["failed", "failed", "failed", "ok"]))
