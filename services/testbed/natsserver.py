@@ -205,28 +205,29 @@ def nats_server_binary() -> str:
 PORT_ATTEMPTS = 3  # start_nats picks new ports when one it picked was taken meanwhile
 
 
-# below the ports chaos/compose.py publishes (21000-30000) and the kernel's ephemeral range (32768
-# up): a port the OS picked (bind to 0) was itself ephemeral, and an outgoing connection or another
-# port-0 bind could take it before the service bound it ("address already in use" at a stack's start)
+# below the ports chaos/compose.py publishes (PUBLISHED_PORTS) and the kernel's ephemeral range
+# (32768 up): a port the OS picked (bind to 0) was itself ephemeral, and an outgoing connection or
+# another port-0 bind could take it before the service bound it ("address already in use" at a start)
 FREE_PORTS = range(11000, 21000)  # and above 10250-10259 (kubelet, scheduler, controller-manager defaults)
-_handed_out: set[int] = set()
+_handed_out: dict[range, set[int]] = {}
 
 
-def free_port() -> int:
-    """A loopback TCP port that is free right now and that this process has not handed out before
-    (a race with another process's pick of the same port remains, one in thousands)."""
-    if len(_handed_out) > len(FREE_PORTS) // 2:
-        _handed_out.clear()
+def free_port(ports: range = FREE_PORTS) -> int:
+    """A loopback TCP port of ``ports`` that is free right now and that this process has not handed
+    out before (a race with another process's pick of the same port remains, one in thousands)."""
+    handed = _handed_out.setdefault(ports, set())
+    if len(handed) > len(ports) // 2:
+        handed.clear()
     while True:
-        port = secrets.choice(FREE_PORTS)
-        if port in _handed_out:
+        port = secrets.choice(ports)
+        if port in handed:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((LOOPBACK, port))
             except OSError:
                 continue
-        _handed_out.add(port)
+        handed.add(port)
         return port
 
 

@@ -99,11 +99,11 @@ async def run_stages(rate: int, seconds: float, before: int, tmp: str) -> dict[s
             if any(t is None for t in times):
                 continue
             ts: list[float] = [t for t in times if t is not None]
-            for stage, (a, b) in zip(STAGES, itertools.pairwise(ts), strict=False):
-                stages[stage].append(b - a)
-            stages["total"].append(ts[-1] - ts[0])
-            slow.append({"created_at_s": r4(ts[0] - first), "total": r4(ts[-1] - ts[0]),
-                         **{stage: r4(b - a) for stage, (a, b) in zip(STAGES, itertools.pairwise(ts), strict=False)}})
+            took = {stage: b - a for stage, (a, b) in zip(STAGES, itertools.pairwise(ts), strict=False)}
+            took["total"] = ts[-1] - ts[0]
+            for stage, seconds in took.items():
+                stages[stage].append(seconds)
+            slow.append({"created_at_s": r4(ts[0] - first), **{stage: r4(v) for stage, v in took.items()}})
     slow.sort(key=lambda row: -row["total"])
     return {
         "offered_per_s": rate, "offered_for_s": seconds, "pods": n, "pods_before": before,

@@ -48,6 +48,7 @@ import yaml
 
 from services.testbed.chaos.oracles import NS, Oracle, SeenVM, incarnation_of, lost_inputs, proc_alive
 from services.testbed.chaos.processes import ProcessChaos
+from services.testbed.natsserver import free_port
 from shared.tasks import cancel_and_wait
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository
@@ -263,24 +264,14 @@ def override_text(ports: dict[str, int]) -> str:
     return "\n".join(lines) + "\n"
 
 
+PUBLISHED_PORTS = range(21000, 30000)
+
+
 def free_ports(n: int) -> list[int]:
     """n loopback ports free now, outside the ephemeral range that other stacks' port-0 binds use
-    (a published port is forwarded by the firewall: it must never be a port someone binds later)."""
-    import random
-    import socket
-
-    rng = random.SystemRandom()
-    out: list[int] = []
-    while len(out) < n:
-        port = rng.randrange(21000, 30000)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        if port not in out:
-            out.append(port)
-    return out
+    and apart from the ports ``free_port`` hands out (a published port is forwarded by the firewall:
+    it must never be a port someone binds later)."""
+    return [free_port(PUBLISHED_PORTS) for _ in range(n)]
 
 
 @dataclass
